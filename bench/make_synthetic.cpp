@@ -1,0 +1,128 @@
+// Writes a synthetic Llama-shaped base checkpoint and a fine-tune of it (base + small noise on
+// every weight), bf16, for the compressor benchmark. Nothing it writes is committed.
+//   make_synthetic OUT_DIR [--layers N] [--hidden H] [--inter I] [--vocab V] [--shards S]
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "bitdelta/dtype.h"
+#include "bitdelta/error.h"
+#include "bitdelta/safetensors.h"
+#include "bitdelta/thread_pool.h"
+
+namespace fs = std::filesystem;
+using namespace bitdelta;
+
+namespace {
+
+struct Spec {
+  std::string name;
+  Shape shape;
+  float scale;
+};
+
+// SplitMix64: a fast deterministic generator; each row gets its own stream.
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Roughly Gaussian (sum of two uniforms), scaled.
+float noise(uint64_t& state, float scale) {
+  state = mix(state);
+  const float a = float(state & 0xffffff) / 16777216.0f, b = float((state >> 24) & 0xffffff) / 16777216.0f;
+  return (a + b - 1.0f) * scale;
+}
+
+void write_model(const fs::path& dir, const std::vector<Spec>& specs, int shards, uint64_t seed, float ft_noise,
+                 ThreadPool& pool) {
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})";
+  std::string index = R"({"metadata": {}, "weight_map": {)";
+  std::vector<std::vector<const Spec*>> parts(static_cast<size_t>(shards));
+  for (size_t i = 0; i < specs.size(); ++i) parts[i * size_t(shards) / specs.size()].push_back(&specs[i]);
+  bool first = true;
+  for (int s = 0; s < shards; ++s) {
+    char file[64];
+    std::snprintf(file, sizeof file, "model-%05d-of-%05d.safetensors", s + 1, shards);
+    SafetensorsWriter w(dir / file, {{"format", "pt"}});
+    for (const auto* spec : parts[size_t(s)]) {
+      w.add(spec->name, DType::BF16, spec->shape);
+      index += std::string(first ? "" : ", ") + "\"" + spec->name + "\": \"" + file + "\"";
+      first = false;
+    }
+    w.begin();
+    for (const auto* spec : parts[size_t(s)]) {
+      const uint64_t rows = spec->shape[0], cols = spec->shape.size() > 1 ? spec->shape[1] : 1;
+      const uint64_t chunk = std::max<uint64_t>(1, (16u << 20) / (2 * cols));
+      std::vector<uint16_t> buf;
+      for (uint64_t r0 = 0; r0 < rows; r0 += chunk) {
+        const uint64_t nr = std::min(chunk, rows - r0);
+        buf.resize(nr * cols);
+        pool.parallel_for(nr, [&](size_t b, size_t e) {
+          for (size_t i = b; i < e; ++i) {
+            const uint64_t row_id = std::hash<std::string>{}(spec->name) ^ (r0 + i) * 0x9e37ull;
+            uint64_t base_state = mix(row_id), ft_state = mix(row_id ^ seed);
+            for (uint64_t c = 0; c < cols; ++c) {
+              float v = noise(base_state, spec->scale);
+              if (ft_noise > 0) v += noise(ft_state, ft_noise * spec->scale);
+              buf[i * cols + c] = f32_to_bf16(v);
+            }
+          }
+        });
+        w.write(std::as_bytes(std::span(buf)));
+      }
+    }
+    w.finish();
+  }
+  std::ofstream(dir / "model.safetensors.index.json") << index << "}}";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (argc < 2) fail("usage: make_synthetic OUT_DIR [--layers N] [--hidden H] [--inter I] [--vocab V] [--shards S]");
+    const fs::path out = argv[1];
+    uint64_t layers = 6, hidden = 4096, inter = 11008, vocab = 32000;
+    int shards = 2;
+    for (int i = 2; i + 1 < argc; i += 2) {
+      const std::string k = argv[i];
+      const uint64_t v = std::strtoull(argv[i + 1], nullptr, 10);
+      if (k == "--layers") layers = v;
+      else if (k == "--hidden") hidden = v;
+      else if (k == "--inter") inter = v;
+      else if (k == "--vocab") vocab = v;
+      else if (k == "--shards") shards = int(v);
+      else fail("unknown option ", k);
+    }
+    std::vector<Spec> specs{{"model.embed_tokens.weight", {vocab, hidden}, 0.02f},
+                            {"lm_head.weight", {vocab, hidden}, 0.02f},
+                            {"model.norm.weight", {hidden}, 1.0f}};
+    uint64_t linear = 0;
+    for (uint64_t l = 0; l < layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      for (const char* n : {"q_proj", "k_proj", "v_proj", "o_proj"})
+        specs.push_back({p + "self_attn." + n + ".weight", {hidden, hidden}, 0.02f});
+      specs.push_back({p + "mlp.gate_proj.weight", {inter, hidden}, 0.02f});
+      specs.push_back({p + "mlp.up_proj.weight", {inter, hidden}, 0.02f});
+      specs.push_back({p + "mlp.down_proj.weight", {hidden, inter}, 0.02f});
+      specs.push_back({p + "input_layernorm.weight", {hidden}, 1.0f});
+      specs.push_back({p + "post_attention_layernorm.weight", {hidden}, 1.0f});
+      linear += 2 * (4 * hidden * hidden + 3 * inter * hidden);
+    }
+    std::printf("writing %s/{base,finetuned}: %.2f GB of bf16 block-linear weights each\n", out.c_str(), double(linear) / 1e9);
+    ThreadPool pool(0);
+    write_model(out / "base", specs, shards, 1, 0.0f, pool);
+    write_model(out / "finetuned", specs, shards, 2, 0.05f, pool);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "make_synthetic: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,35 @@
+// Read-only memory mapping of a whole file (RAII).
+#pragma once
+
+#include <cstddef>
+#include <filesystem>
+#include <span>
+
+namespace bitdelta {
+
+class MappedFile {
+ public:
+  explicit MappedFile(const std::filesystem::path& path);
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&& other) noexcept;
+  ~MappedFile();
+
+  std::span<const std::byte> bytes() const { return {data_, size_}; }
+  size_t size() const { return size_; }
+  const std::filesystem::path& path() const { return path_; }
+
+  // Hints that [offset, offset+len) will be read soon, front to back.
+  void will_need(size_t offset, size_t len) const;
+  // Drops the pages of [offset, offset+len) from this process (they stay in the page cache),
+  // so streaming over a large file keeps the resident set small.
+  void release(size_t offset, size_t len) const;
+
+ private:
+  std::filesystem::path path_;
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace bitdelta

@@ -1,0 +1,84 @@
+#include "bitdelta/mapped_file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "bitdelta/error.h"
+
+namespace bitdelta {
+namespace {
+
+size_t page_size() {
+  static const size_t size = size_t(sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+}  // namespace
+
+MappedFile::MappedFile(const std::filesystem::path& path) : path_(path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(path.string(), ": cannot open: ", std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    fail(path.string(), ": cannot stat: ", std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(path.string(), ": not a regular file");
+  }
+  size_ = size_t(st.st_size);
+  if (size_ > 0) {
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      int err = errno;
+      ::close(fd);
+      fail(path.string(), ": cannot mmap: ", std::strerror(err));
+    }
+    data_ = static_cast<std::byte*>(p);
+  }
+  ::close(fd);
+}
+
+MappedFile::MappedFile(MappedFile&& other) noexcept
+    : path_(std::move(other.path_)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
+  if (this != &other) {
+    if (data_) ::munmap(data_, size_);
+    path_ = std::move(other.path_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+MappedFile::~MappedFile() {
+  if (data_) ::munmap(data_, size_);
+}
+
+void MappedFile::will_need(size_t offset, size_t len) const {
+  if (!data_ || offset >= size_) return;
+  size_t start = offset / page_size() * page_size();
+  size_t end = std::min(size_, offset + len);
+  ::madvise(data_ + start, end - start, MADV_WILLNEED);
+}
+
+void MappedFile::release(size_t offset, size_t len) const {
+  if (!data_ || offset >= size_) return;
+  // Only whole pages inside the range: a page shared with a neighbour may still be in use.
+  size_t start = (offset + page_size() - 1) / page_size() * page_size();
+  size_t end = std::min(size_, offset + len) / page_size() * page_size();
+  if (end > start) ::madvise(data_ + start, end - start, MADV_DONTNEED);
+}
+
+}  // namespace bitdelta

@@ -1,0 +1,167 @@
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "bitdelta/error.h"
+#include "bitdelta/safetensors.h"
+#include "test_util.h"
+
+namespace bitdelta {
+namespace {
+
+using test::TempDir;
+
+// Builds a file byte by byte, independently of SafetensorsWriter.
+std::string raw_file(const std::string& header, const std::string& data, uint64_t claimed_len = ~0ull) {
+  const uint64_t len = claimed_len == ~0ull ? header.size() : claimed_len;
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[size_t(i)] = char((len >> (8 * i)) & 0xff);
+  return out + header + data;
+}
+
+void write_raw(const std::filesystem::path& p, const std::string& bytes) {
+  std::ofstream(p, std::ios::binary) << bytes;
+}
+
+std::string error_of(const std::filesystem::path& p) {
+  try {
+    SafetensorsFile f(p);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Safetensors, ReadsHandBuiltFileZeroCopy) {
+  TempDir dir;
+  std::string data(4 * 2 + 3, '\0');
+  const float vals[2] = {1.5f, -2.25f};
+  std::memcpy(data.data(), vals, 8);
+  data[8] = 7, data[9] = 8, data[10] = 9;
+  write_raw(dir / "a.safetensors",
+            raw_file(R"({"__metadata__":{"k":"v"},"b":{"dtype":"U8","shape":[3],"data_offsets":[8,11]},)"
+                     R"("a":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]}})",
+                     data));
+  SafetensorsFile f(dir / "a.safetensors");
+  ASSERT_EQ(f.tensors().size(), 2u);
+  EXPECT_EQ(f.tensors()[0].name, "a");  // sorted by name
+  EXPECT_EQ(f.metadata().at("k"), "v");
+  const auto a = f.view("a");
+  EXPECT_EQ(a.dtype, DType::F32);
+  EXPECT_EQ(a.shape, (Shape{1, 2}));
+  float got[2];
+  std::memcpy(got, a.data.data(), 8);
+  EXPECT_EQ(got[0], 1.5f);
+  EXPECT_EQ(got[1], -2.25f);
+  EXPECT_EQ(f.view("b").data[2], std::byte{9});
+  EXPECT_EQ(f.find("c"), nullptr);
+}
+
+TEST(Safetensors, WriterRoundTripAllDtypes) {
+  TempDir dir;
+  test::TensorMap m;
+  for (DType t : {DType::BF16, DType::F16, DType::F32, DType::U8, DType::I32}) {
+    test::HostTensor h{t, {3, 5}, std::vector<std::byte>(15 * dtype_size(t))};
+    for (size_t i = 0; i < h.bytes.size(); ++i) h.bytes[i] = std::byte(i * 37 + size_t(t));
+    m[std::string(dtype_name(t))] = h;
+  }
+  m["empty"] = {DType::F32, {0, 4}, {}};
+  test::write_safetensors(dir / "w.safetensors", m, {{"format", "pt"}, {"x", "y"}});
+  SafetensorsFile f(dir / "w.safetensors");
+  EXPECT_EQ(f.metadata().at("x"), "y");
+  for (const auto& [name, h] : m) {
+    const auto v = f.view(name);
+    EXPECT_EQ(v.dtype, h.dtype);
+    EXPECT_EQ(v.shape, h.shape);
+    ASSERT_EQ(v.data.size(), h.bytes.size());
+    EXPECT_EQ(std::memcmp(v.data.data(), h.bytes.data(), h.bytes.size()), 0) << name;
+  }
+  // The data section starts 8-byte aligned.
+  uint64_t data_bytes = 0;
+  for (const auto& [name, h] : m) data_bytes += h.bytes.size();
+  EXPECT_EQ((f.file_size() - data_bytes) % 8, 0u);
+}
+
+TEST(Safetensors, WriterLeavesNothingWhenUnfinished) {
+  TempDir dir;
+  {
+    SafetensorsWriter w(dir / "x.safetensors", {});
+    w.add("t", DType::F32, {4});
+    w.begin();
+    w.write(std::vector<std::byte>(8));
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+  SafetensorsWriter w(dir / "y.safetensors", {});
+  w.add("t", DType::F32, {4});
+  w.begin();
+  w.write(std::vector<std::byte>(8));
+  EXPECT_THROW(w.finish(), Error);  // incomplete tensor
+  EXPECT_FALSE(std::filesystem::exists(dir / "y.safetensors"));
+  EXPECT_THROW(w.write(std::vector<std::byte>(16)), Error);  // more than declared
+}
+
+TEST(Safetensors, UnwritablePathFailsNamingIt) {
+  TempDir dir;
+  test::write_text(dir / "file", "x");
+  try {
+    SafetensorsWriter w(dir / "file" / "out.safetensors", {});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("out.safetensors"), std::string::npos) << e.what();
+  }
+}
+
+struct BadCase {
+  const char* label;
+  std::string bytes;
+  const char* expect;  // substring of the message
+};
+
+TEST(Safetensors, RejectsMalformedFilesNamingFileAndTensor) {
+  TempDir dir;
+  const std::string good_data(16, '\1');
+  const std::vector<BadCase> cases = {
+      {"empty", "", "truncated"},
+      {"short", std::string(5, '\0'), "truncated"},
+      {"header_too_long", raw_file(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", "x", 4096),
+       "exceeds file size"},
+      {"bad_json", raw_file(R"({"a":{"dtype":)", good_data), "not valid JSON"},
+      {"not_object", raw_file(R"([1,2])", good_data), "not a JSON object"},
+      {"unknown_dtype", raw_file(R"({"w":{"dtype":"Q4","shape":[4],"data_offsets":[0,4]}})", good_data),
+       "tensor 'w': unknown dtype 'Q4'"},
+      {"lying_offsets", raw_file(R"({"w":{"dtype":"U8","shape":[32],"data_offsets":[0,32]}})", good_data),
+       "tensor 'w': data_offsets [0, 32] lie outside"},
+      {"reversed_offsets", raw_file(R"({"w":{"dtype":"U8","shape":[0],"data_offsets":[8,4]}})", good_data),
+       "tensor 'w': data_offsets begin 8 > end 4"},
+      {"size_mismatch", raw_file(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}})", good_data),
+       "tensor 'w': shape [3] x F32 needs 12 bytes but data_offsets span 16"},
+      {"overlap",
+       raw_file(R"({"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[8],"data_offsets":[4,12]}})",
+                good_data),
+       "tensors 'a' and 'b' overlap"},
+      {"negative_shape", raw_file(R"({"w":{"dtype":"U8","shape":[-1],"data_offsets":[0,1]}})", good_data),
+       "tensor 'w': shape entries"},
+      {"missing_offsets", raw_file(R"({"w":{"dtype":"U8","shape":[1]}})", good_data), "tensor 'w': data_offsets"},
+      {"overflow", raw_file(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,16]}})", good_data),
+       "tensor 'w': size overflows"},
+  };
+  for (const auto& c : cases) {
+    const auto path = dir / (std::string(c.label) + ".safetensors");
+    write_raw(path, c.bytes);
+    const std::string msg = error_of(path);
+    EXPECT_NE(msg.find(path.string()), std::string::npos) << c.label << ": " << msg;
+    EXPECT_NE(msg.find(c.expect), std::string::npos) << c.label << ": " << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << c.label;
+  }
+}
+
+TEST(Safetensors, TruncatedDataIsCaught) {
+  TempDir dir;
+  test::TensorMap m{{"w", test::HostTensor::from_floats(DType::F32, {64}, test::random_floats(64, 3))}};
+  test::write_safetensors(dir / "t.safetensors", m);
+  std::filesystem::resize_file(dir / "t.safetensors", std::filesystem::file_size(dir / "t.safetensors") - 10);
+  EXPECT_NE(error_of(dir / "t.safetensors").find("tensor 'w': data_offsets"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace bitdelta
