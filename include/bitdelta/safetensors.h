@@ -43,6 +43,8 @@ class SafetensorsFile {
 
   // Page hints over a byte range of one tensor's data (see MappedFile).
   void will_need(const TensorInfo& t, uint64_t offset, uint64_t len) const;
+  // Copies bytes [offset, offset+len) of one tensor's data into dst (see MappedFile::read).
+  void read(const TensorInfo& t, uint64_t offset, uint64_t len, std::byte* dst) const;
   void release(const TensorInfo& t, uint64_t offset, uint64_t len) const;
 
  private:
@@ -66,7 +68,8 @@ class SafetensorsWriter {
   void begin();
   // Appends bytes of the current tensor(s), in declaration order, in chunks of any size.
   void write(std::span<const std::byte> bytes);
-  // Checks every declared byte arrived, flushes, fsyncs and renames into place.
+  // Checks every declared byte arrived, flushes, closes and renames into place (atomic: readers
+  // see the old file or the complete new one, never a partial one).
   void finish();
 
   const std::filesystem::path& path() const { return path_; }

@@ -1,6 +1,8 @@
 #include "bitdelta/dtype.h"
 
 #include <array>
+#include <immintrin.h>
+
 #include <cmath>
 
 #include "bitdelta/error.h"
@@ -72,19 +74,56 @@ uint16_t f32_to_f16(float f) {
   return sign | uint16_t((rounded - 0x38000000u) >> 13);
 }
 
+namespace {
+
+void bf16_to_f32_scalar(const std::byte* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, 2);
+    dst[i] = bf16_to_f32(h);
+  }
+}
+
+__attribute__((target("avx2"))) void bf16_to_f32_avx2(const std::byte* src, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  bf16_to_f32_scalar(src + 2 * i, dst + i, n - i);
+}
+
+__attribute__((target("avx2,f16c"))) void f16_to_f32_f16c(const std::byte* src, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i))));
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, 2);
+    dst[i] = f16_to_f32(h);
+  }
+}
+
+bool cpu_has(const char* what) {
+  __builtin_cpu_init();  // may run before libgcc's own constructor
+  return what == std::string_view("f16c") ? __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")
+                                          : __builtin_cpu_supports("avx2");
+}
+const bool kHasAvx2 = cpu_has("avx2");
+const bool kHasF16c = cpu_has("f16c");
+
+}  // namespace
+
 void to_f32(DType t, const std::byte* src, float* dst, size_t n) {
   switch (t) {
     case DType::F32:
       std::memcpy(dst, src, n * 4);
       return;
     case DType::BF16:
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, 2);
-        dst[i] = bf16_to_f32(h);
-      }
+      (kHasAvx2 ? bf16_to_f32_avx2 : bf16_to_f32_scalar)(src, dst, n);
       return;
     case DType::F16:
+      if (kHasF16c) return f16_to_f32_f16c(src, dst, n);
       for (size_t i = 0; i < n; ++i) {
         uint16_t h;
         std::memcpy(&h, src + 2 * i, 2);

@@ -44,18 +44,21 @@ MappedFile::MappedFile(const std::filesystem::path& path) : path_(path) {
     }
     data_ = static_cast<std::byte*>(p);
   }
-  ::close(fd);
+  fd_ = fd;
 }
 
 MappedFile::MappedFile(MappedFile&& other) noexcept
     : path_(std::move(other.path_)),
+      fd_(std::exchange(other.fd_, -1)),
       data_(std::exchange(other.data_, nullptr)),
       size_(std::exchange(other.size_, 0)) {}
 
 MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
   if (this != &other) {
     if (data_) ::munmap(data_, size_);
+    if (fd_ >= 0) ::close(fd_);
     path_ = std::move(other.path_);
+    fd_ = std::exchange(other.fd_, -1);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
   }
@@ -64,6 +67,19 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
 
 MappedFile::~MappedFile() {
   if (data_) ::munmap(data_, size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void MappedFile::read(size_t offset, size_t len, std::byte* dst) const {
+  if (offset > size_ || len > size_ - offset) fail(path_.string(), ": read past the end of the file");
+  while (len > 0) {
+    const ssize_t n = ::pread(fd_, dst, len, off_t(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail(path_.string(), ": read failed at offset ", offset, ": ", n < 0 ? std::strerror(errno) : "unexpected end of file");
+    dst += n;
+    offset += size_t(n);
+    len -= size_t(n);
+  }
 }
 
 void MappedFile::will_need(size_t offset, size_t len) const {

@@ -131,6 +131,11 @@ void SafetensorsFile::will_need(const TensorInfo& t, uint64_t offset, uint64_t l
   file_.will_need(data_start_ + t.begin + offset, std::min(len, t.bytes() - offset));
 }
 
+void SafetensorsFile::read(const TensorInfo& t, uint64_t offset, uint64_t len, std::byte* dst) const {
+  if (offset > t.bytes() || len > t.bytes() - offset) fail(path().string(), ": tensor '", t.name, "': read out of range");
+  file_.read(data_start_ + t.begin + offset, len, dst);
+}
+
 void SafetensorsFile::release(const TensorInfo& t, uint64_t offset, uint64_t len) const {
   file_.release(data_start_ + t.begin + offset, std::min(len, t.bytes() - offset));
 }
@@ -140,6 +145,7 @@ void SafetensorsFile::release(const TensorInfo& t, uint64_t offset, uint64_t len
 struct SafetensorsWriter::Output {
   int fd = -1;
   std::vector<std::byte> buffer;
+
   ~Output() {
     if (fd >= 0) ::close(fd);
   }
@@ -230,7 +236,6 @@ void SafetensorsWriter::finish() {
          " data bytes written)");
   write_all(out_->fd, out_->buffer.data(), out_->buffer.size(), temp_path_);
   out_->buffer.clear();
-  if (::fsync(out_->fd) != 0) fail(path_.string(), ": fsync failed: ", std::strerror(errno));
   if (::close(out_->fd) != 0) {
     out_->fd = -1;
     fail(path_.string(), ": close failed: ", std::strerror(errno));
