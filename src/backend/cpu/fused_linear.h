@@ -1,0 +1,32 @@
+// The fused BitDelta linear on the CPU: y = x·W_baseᵀ + α ⊙ (x·Sᵀ), rows tagged with their variant.
+// The base weight is read once per call for all rows; each distinct variant's sign bits once per
+// output row; W_eff is never formed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "bitdelta/tensor.h"
+#include "bitdelta/thread_pool.h"
+
+namespace bitdelta::cpu {
+
+// One variant's delta of one weight: sign bits [N, ceil(K/8)] and α per row (or one for all).
+struct DeltaRef {
+  const uint8_t* signs = nullptr;
+  const float* alpha = nullptr;  // may be unaligned in the file: read with memcpy
+  bool alpha_per_row = true;
+};
+
+// x: [rows, K] floats; y: [rows, N]; w: [N, K] in BF16, F16 or F32; deltas[r] is row r's delta
+// (signs == nullptr: the base alone); bias: optional [N].
+void fused_linear(const TensorView& w, std::span<const float> x, size_t rows, std::span<const DeltaRef> deltas,
+                  const float* bias, std::span<float> y, ThreadPool& pool);
+
+// The plain reference, for tests only: materializes W_eff in float32 per row, then multiplies
+// in float64.
+void fused_linear_reference(const TensorView& w, std::span<const float> x, size_t rows,
+                            std::span<const DeltaRef> deltas, const float* bias, std::span<float> y);
+
+}  // namespace bitdelta::cpu
