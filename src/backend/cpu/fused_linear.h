@@ -7,17 +7,11 @@
 #include <cstdint>
 #include <span>
 
+#include "bitdelta/delta_ref.h"
 #include "bitdelta/tensor.h"
 #include "bitdelta/thread_pool.h"
 
 namespace bitdelta::cpu {
-
-// One variant's delta of one weight: sign bits [N, ceil(K/8)] and α per row (or one for all).
-struct DeltaRef {
-  const uint8_t* signs = nullptr;
-  const float* alpha = nullptr;  // may be unaligned in the file: read with memcpy
-  bool alpha_per_row = true;
-};
 
 // x: [rows, K] floats; y: [rows, N]; w: [N, K] in BF16, F16 or F32; deltas[r] is row r's delta
 // (signs == nullptr: the base alone); bias: optional [N].

@@ -1,0 +1,94 @@
+// A Llama-family model on the CPU: the base loaded once (zero-copy views into its mmapped
+// safetensors), any number of BitDelta variants on top of it, and a forward step over rows of many
+// sequences of different variants.
+#pragma once
+
+#include <array>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "bitdelta/checkpoint.h"
+#include "bitdelta/delta_ref.h"
+#include "bitdelta/delta_file.h"
+#include "bitdelta/model_config.h"
+#include "bitdelta/thread_pool.h"
+
+namespace bitdelta {
+
+enum LinearKind { kQ, kK, kV, kO, kGate, kUp, kDown, kLinearCount };
+
+// One weight table entry: where a tensor is, and what it must look like.
+struct WeightSpec {
+  std::string name;
+  Shape shape;
+};
+// The declarative table of every tensor a config needs (per layer and global).
+std::vector<WeightSpec> weight_table(const ModelConfig& config);
+
+// Everything one variant computes with. The base is variant 0; a variant shares every tensor view
+// with the base except what its delta replaces, and adds sign bits + α per compressed linear.
+struct VariantWeights {
+  std::string name;
+  std::shared_ptr<const DeltaFile> delta;  // null for the base
+  TensorView embed, lm_head;
+  std::vector<float> final_norm;
+  struct Layer {
+    std::vector<float> attn_norm, mlp_norm;
+    std::array<TensorView, kLinearCount> linear;
+    std::array<DeltaRef, kLinearCount> delta;     // signs == nullptr: none
+    std::array<std::vector<float>, kLinearCount> bias;  // empty: none
+  };
+  std::vector<Layer> layers;
+};
+
+// The keys and values of one sequence, all layers.
+struct Sequence {
+  int variant = 0;
+  size_t length = 0;                          // tokens already in the cache
+  std::vector<std::vector<float>> keys, values;  // per layer: [position][kv_heads * head_dim]
+};
+
+struct ForwardRow {
+  Sequence* sequence;
+  int32_t token;
+  bool want_logits;
+};
+
+class Model {
+ public:
+  explicit Model(const std::filesystem::path& checkpoint_dir, size_t threads = 0);
+
+  const ModelConfig& config() const { return config_; }
+  const Checkpoint& checkpoint() const { return base_; }
+  const std::string& fingerprint() const { return fingerprint_; }
+  ThreadPool& pool() const { return *pool_; }
+
+  // Adds a variant from a delta file made against this base (refused, naming both fingerprints,
+  // when made for another base unless `force`). Returns its id; the base is 0. The base is never
+  // copied.
+  int add_variant(const std::string& name, const std::filesystem::path& delta_path, bool force = false);
+  int add_variant(const std::string& name, std::shared_ptr<const DeltaFile> delta, bool force = false);
+  int find_variant(const std::string& name) const;  // -1 if absent
+  size_t variant_count() const { return variants_.size(); }
+  const VariantWeights& variant(int id) const { return *variants_.at(size_t(id)); }
+
+  Sequence new_sequence(int variant) const;
+
+  // One step over rows of many sequences: each row appends its token at the next position of its
+  // sequence (rows of one sequence in order). Returns the logits of the rows with want_logits,
+  // in order, [count, vocab_size].
+  std::vector<float> forward(std::span<const ForwardRow> rows);
+
+ private:
+  ModelConfig config_;
+  Checkpoint base_;
+  std::string fingerprint_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::vector<std::unique_ptr<VariantWeights>> variants_;
+  std::vector<float> inv_freq_;  // rotary frequencies, head_dim / 2
+};
+
+}  // namespace bitdelta
