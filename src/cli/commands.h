@@ -8,5 +8,8 @@ namespace bitdelta::cli {
 void add_compress_command(CLI::App& app);
 void add_inspect_command(CLI::App& app);
 void add_apply_command(CLI::App& app);
+void add_generate_command(CLI::App& app);
+void add_score_command(CLI::App& app);
+void add_eval_command(CLI::App& app);
 
 }  // namespace bitdelta::cli

@@ -12,6 +12,9 @@ int main(int argc, char** argv) {
   bitdelta::cli::add_compress_command(app);
   bitdelta::cli::add_inspect_command(app);
   bitdelta::cli::add_apply_command(app);
+  bitdelta::cli::add_generate_command(app);
+  bitdelta::cli::add_score_command(app);
+  bitdelta::cli::add_eval_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
