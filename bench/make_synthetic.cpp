@@ -1,6 +1,8 @@
-// Writes a synthetic Llama-shaped base checkpoint and a fine-tune of it (base + small noise on
-// every weight), bf16, for the compressor benchmark. Nothing it writes is committed.
-//   make_synthetic OUT_DIR [--layers N] [--hidden H] [--inter I] [--vocab V] [--shards S]
+// Writes a synthetic Llama-shaped base checkpoint (random bf16 weights, a complete config.json), and
+// either a fine-tune of it (base + small noise on every weight, for the compressor benchmark) or N
+// random delta files against it (for engine benchmarks). Nothing it writes is committed.
+//   make_synthetic OUT_DIR [--layers N] [--hidden H] [--inter I] [--vocab V] [--heads A]
+//                  [--kv-heads B] [--tie 0|1] [--shards S] [--finetune 0|1] [--deltas N]
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -9,7 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "bitdelta/checkpoint.h"
+#include "bitdelta/delta_file.h"
 #include "bitdelta/dtype.h"
+#include "bitdelta/fingerprint.h"
 #include "bitdelta/error.h"
 #include "bitdelta/safetensors.h"
 #include "bitdelta/thread_pool.h"
@@ -40,10 +45,10 @@ float noise(uint64_t& state, float scale) {
   return (a + b - 1.0f) * scale;
 }
 
-void write_model(const fs::path& dir, const std::vector<Spec>& specs, int shards, uint64_t seed, float ft_noise,
-                 ThreadPool& pool) {
+void write_model(const fs::path& dir, const std::string& config, const std::vector<Spec>& specs, int shards,
+                 uint64_t seed, float ft_noise, ThreadPool& pool) {
   fs::create_directories(dir);
-  std::ofstream(dir / "config.json") << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})";
+  std::ofstream(dir / "config.json") << config;
   std::string index = R"({"metadata": {}, "weight_map": {)";
   std::vector<std::vector<const Spec*>> parts(static_cast<size_t>(shards));
   for (size_t i = 0; i < specs.size(); ++i) parts[i * size_t(shards) / specs.size()].push_back(&specs[i]);
@@ -84,13 +89,41 @@ void write_model(const fs::path& dir, const std::vector<Spec>& specs, int shards
   std::ofstream(dir / "model.safetensors.index.json") << index << "}}";
 }
 
+// A delta file with random sign bits and small α for every block linear of the base.
+void write_random_delta(const fs::path& path, const Checkpoint& base, const std::string& base_fp, uint64_t seed) {
+  SafetensorsWriter w(path, {{"format", kDeltaFormat}, {"format_version", kDeltaFormatVersion},
+                             {"base_fingerprint", base_fp}, {"finetuned_fingerprint", "synthetic"},
+                             {"alpha_mode", "row"}, {"alpha_source", "random"},
+                             {"architecture", "LlamaForCausalLM"}, {"created_by", "make_synthetic"}});
+  std::vector<std::string> names;
+  for (const auto& n : base.tensor_names())
+    if (n.find(".layers.") != std::string::npos && base.info(n).shape.size() == 2) names.push_back(n);
+  for (const auto& n : names) {
+    const auto& s = base.info(n).shape;
+    w.add(n + kSignSuffix, DType::U8, {s[0], sign_row_bytes(s[1])});
+    w.add(n + kAlphaSuffix, DType::F32, {s[0]});
+  }
+  w.begin();
+  for (const auto& n : names) {
+    const auto& s = base.info(n).shape;
+    std::vector<uint64_t> bits((s[0] * sign_row_bytes(s[1]) + 7) / 8);
+    uint64_t state = seed ^ std::hash<std::string>{}(n);
+    for (auto& b : bits) b = state = mix(state);
+    w.write(std::as_bytes(std::span(bits)).first(s[0] * sign_row_bytes(s[1])));
+    std::vector<float> alpha(s[0], 4e-4f);
+    w.write(std::as_bytes(std::span(alpha)));
+  }
+  w.finish();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     if (argc < 2) fail("usage: make_synthetic OUT_DIR [--layers N] [--hidden H] [--inter I] [--vocab V] [--shards S]");
     const fs::path out = argv[1];
-    uint64_t layers = 6, hidden = 4096, inter = 11008, vocab = 32000;
+    uint64_t layers = 6, hidden = 4096, inter = 11008, vocab = 32000, heads = 32, kv_heads = 32, tie = 0;
+    uint64_t finetune = 1, deltas = 0;
     int shards = 2;
     for (int i = 2; i + 1 < argc; i += 2) {
       const std::string k = argv[i];
@@ -99,28 +132,48 @@ int main(int argc, char** argv) {
       else if (k == "--hidden") hidden = v;
       else if (k == "--inter") inter = v;
       else if (k == "--vocab") vocab = v;
+      else if (k == "--heads") heads = v;
+      else if (k == "--kv-heads") kv_heads = v;
+      else if (k == "--tie") tie = v;
       else if (k == "--shards") shards = int(v);
+      else if (k == "--finetune") finetune = v;
+      else if (k == "--deltas") deltas = v;
       else fail("unknown option ", k);
     }
-    std::vector<Spec> specs{{"model.embed_tokens.weight", {vocab, hidden}, 0.02f},
-                            {"lm_head.weight", {vocab, hidden}, 0.02f},
-                            {"model.norm.weight", {hidden}, 1.0f}};
+    const uint64_t hd = hidden / heads;
+    const std::string config = str(
+        R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": )", vocab,
+        R"(, "hidden_size": )", hidden, R"(, "intermediate_size": )", inter, R"(, "num_hidden_layers": )", layers,
+        R"(, "num_attention_heads": )", heads, R"(, "num_key_value_heads": )", kv_heads, R"(, "head_dim": )", hd,
+        R"(, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",)",
+        R"( "tie_word_embeddings": )", tie ? "true" : "false", R"(, "bos_token_id": 1, "eos_token_id": 2})");
+    std::vector<Spec> specs{{"model.embed_tokens.weight", {vocab, hidden}, 0.02f}, {"model.norm.weight", {hidden}, 1.0f}};
+    if (!tie) specs.push_back({"lm_head.weight", {vocab, hidden}, 0.02f});
     uint64_t linear = 0;
     for (uint64_t l = 0; l < layers; ++l) {
       const std::string p = "model.layers." + std::to_string(l) + ".";
-      for (const char* n : {"q_proj", "k_proj", "v_proj", "o_proj"})
-        specs.push_back({p + "self_attn." + n + ".weight", {hidden, hidden}, 0.02f});
+      specs.push_back({p + "self_attn.q_proj.weight", {heads * hd, hidden}, 0.02f});
+      specs.push_back({p + "self_attn.k_proj.weight", {kv_heads * hd, hidden}, 0.02f});
+      specs.push_back({p + "self_attn.v_proj.weight", {kv_heads * hd, hidden}, 0.02f});
+      specs.push_back({p + "self_attn.o_proj.weight", {hidden, heads * hd}, 0.02f});
       specs.push_back({p + "mlp.gate_proj.weight", {inter, hidden}, 0.02f});
       specs.push_back({p + "mlp.up_proj.weight", {inter, hidden}, 0.02f});
       specs.push_back({p + "mlp.down_proj.weight", {hidden, inter}, 0.02f});
       specs.push_back({p + "input_layernorm.weight", {hidden}, 1.0f});
       specs.push_back({p + "post_attention_layernorm.weight", {hidden}, 1.0f});
-      linear += 2 * (4 * hidden * hidden + 3 * inter * hidden);
+      linear += 2 * ((2 * heads + 2 * kv_heads) * hd * hidden + 3 * inter * hidden);
     }
-    std::printf("writing %s/{base,finetuned}: %.2f GB of bf16 block-linear weights each\n", out.c_str(), double(linear) / 1e9);
+    std::printf("writing %s/base: %.2f GB of bf16 block-linear weights\n", out.c_str(), double(linear) / 1e9);
     ThreadPool pool(0);
-    write_model(out / "base", specs, shards, 1, 0.0f, pool);
-    write_model(out / "finetuned", specs, shards, 2, 0.05f, pool);
+    write_model(out / "base", config, specs, shards, 1, 0.0f, pool);
+    if (finetune) write_model(out / "finetuned", config, specs, shards, 2, 0.05f, pool);
+    if (deltas) {
+      const Checkpoint base(out / "base");
+      const std::string fp = fingerprint(base);
+      fs::create_directories(out / "deltas");
+      for (uint64_t d = 0; d < deltas; ++d)
+        write_random_delta(out / "deltas" / ("v" + std::to_string(d) + ".bitdelta"), base, fp, 1000 + d);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "make_synthetic: error: %s\n", e.what());
     return 1;

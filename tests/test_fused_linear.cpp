@@ -31,7 +31,7 @@ TEST(FusedLinear, MatchesReferenceOnRandomShapesAndMixedVariants) {
   std::mt19937_64 rng(7);
   for (DType dtype : {DType::BF16, DType::F16, DType::F32}) {
     for (auto [N, K] : {std::pair<size_t, size_t>{1, 1}, {7, 13}, {33, 64}, {64, 77}, {130, 255}, {17, 1000}}) {
-      for (size_t rows : {1, 3, 4, 5, 9}) {
+      for (size_t rows : {1, 3, 4, 5, 9, 16}) {  // >= 4 rows: the GEMM path; 16: a variant with 4 rows
         const auto w = test::HostTensor::from_floats(dtype, {N, K}, test::random_floats(N * K, rng(), 0.1f));
         const TensorView wv{w.dtype, w.shape, w.bytes};
         const auto x = test::random_floats(rows * K, rng());

@@ -1,5 +1,6 @@
 #include "fused_linear.h"
 
+#include <cblas.h>
 #include <immintrin.h>
 
 #include <array>
@@ -77,23 +78,60 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-constexpr size_t kTile = 4;  // batch rows whose accumulators stay in registers
+constexpr size_t kTile = 4;  // batch rows per pass over a block of weights
 
-// Output rows [n0, n1) for batch rows [r0, r0+nr), nr <= kTile.
+// The base term for output rows n and n+1 (NO = 2) or n alone (NO = 1) and NR batch rows: each x
+// load feeds NO fused multiply-adds and the NR·NO accumulator chains are independent, enough to
+// keep both FMA pipes busy (latency 4 × 2 pipes).
+template <size_t NR, size_t NO>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void base_block_avx2(const TensorView& w,
+                                                                                   const float* x, float* out,
+                                                                                   size_t N, size_t n) {
+  const size_t K = w.shape[1], esize = dtype_size(w.dtype), K8 = K / 8 * 8;
+  __m256 acc[NR][NO];
+  for (size_t r = 0; r < NR; ++r)
+    for (size_t o = 0; o < NO; ++o) acc[r][o] = _mm256_setzero_ps();
+  for (size_t k = 0; k < K8; k += 8) {
+    __m256 wv[NO];
+    for (size_t o = 0; o < NO; ++o) wv[o] = load8(w.dtype, w.data.data() + ((n + o) * K + k) * esize);
+    for (size_t r = 0; r < NR; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (size_t o = 0; o < NO; ++o) acc[r][o] = _mm256_fmadd_ps(wv[o], xv, acc[r][o]);
+    }
+  }
+  for (size_t o = 0; o < NO; ++o) {
+    float tail[8] = {};
+    if (K8 < K) to_f32(w.dtype, w.data.data() + ((n + o) * K + K8) * esize, tail, K - K8);
+    for (size_t r = 0; r < NR; ++r) {
+      float a = hsum(acc[r][o]);
+      for (size_t k = K8; k < K; ++k) a += tail[k - K8] * x[r * K + k];
+      out[r * N + n + o] = a;
+    }
+  }
+}
+
 template <size_t NR>
-__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const TensorView& w, const float* x, const DeltaRef* deltas,
-                                                        const float* sum_x, const float* bias, float* y, size_t N,
-                                                        size_t n0, size_t n1) {
-  const size_t K = w.shape[1], esize = dtype_size(w.dtype), row_bytes = (K + 7) / 8;
-  const size_t K8 = K / 8 * 8;
+__attribute__((target("avx2,fma,f16c"))) void base_tile_avx2(const TensorView& w, const float* x, float* y, size_t N,
+                                                             size_t n0, size_t n1) {
+  size_t n = n0;
+  for (; n + 2 <= n1; n += 2) base_block_avx2<NR, 2>(w, x, y, N, n);
+  if (n < n1) base_block_avx2<NR, 1>(w, x, y, N, n);
+}
+
+// Base and delta in one pass for NR batch rows with deltas and one output row n: each x load feeds
+// the base FMA and, through the sign byte's lane mask, the bits·x sum.
+template <size_t NR>
+__attribute__((target("avx2,fma,f16c"))) void fused_tile_avx2(const TensorView& w, const float* x,
+                                                             const DeltaRef* deltas, const float* sum_x, float* y,
+                                                             size_t N, size_t n0, size_t n1) {
+  const size_t K = w.shape[1], esize = dtype_size(w.dtype), row_bytes = (K + 7) / 8, K8 = K / 8 * 8;
   const auto& table = mask_table();
   for (size_t n = n0; n < n1; ++n) {
     const std::byte* wrow = w.data.data() + n * K * esize;
     __m256 acc[NR], dacc[NR];
     const uint8_t* srow[NR];
     for (size_t r = 0; r < NR; ++r) {
-      acc[r] = _mm256_setzero_ps();
-      dacc[r] = _mm256_setzero_ps();
+      acc[r] = dacc[r] = _mm256_setzero_ps();
       srow[r] = deltas[r].signs ? deltas[r].signs + n * row_bytes : nullptr;
     }
     for (size_t k = 0; k < K8; k += 8) {
@@ -102,25 +140,22 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const TensorView& w, con
         const __m256 xv = _mm256_loadu_ps(x + r * K + k);
         acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
         if (srow[r]) {
-          const __m256 m = _mm256_castsi256_ps(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table[srow[r][k / 8]].data())));
-          dacc[r] = _mm256_add_ps(dacc[r], _mm256_and_ps(m, xv));  // bits·x
+          const __m256 m =
+              _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table[srow[r][k / 8]].data())));
+          dacc[r] = _mm256_add_ps(dacc[r], _mm256_and_ps(m, xv));
         }
       }
     }
+    float tail[8] = {};
+    if (K8 < K) to_f32(w.dtype, wrow + K8 * esize, tail, K - K8);
     for (size_t r = 0; r < NR; ++r) {
       float a = hsum(acc[r]), bits_x = hsum(dacc[r]);
-      if (K8 < K) {
-        float tail[8] = {};
-        to_f32(w.dtype, wrow + K8 * esize, tail, K - K8);
-        for (size_t k = K8; k < K; ++k) {
-          const float xv = x[r * K + k];
-          a += tail[k - K8] * xv;
-          if (srow[r] && ((srow[r][k / 8] >> (k % 8)) & 1)) bits_x += xv;
-        }
+      for (size_t k = K8; k < K; ++k) {
+        a += tail[k - K8] * x[r * K + k];
+        if (srow[r] && ((srow[r][k / 8] >> (k % 8)) & 1)) bits_x += x[r * K + k];
       }
       if (srow[r]) a += load_alpha(deltas[r], n) * (2 * bits_x - sum_x[r]);
-      y[r * N + n] = a + (bias ? bias[n] : 0.0f);
+      y[r * N + n] = a;
     }
   }
 }
@@ -130,21 +165,34 @@ __attribute__((target("avx2,fma,f16c"))) void linear_rows_avx2(const TensorView&
                                                               const float* bias, float* y, size_t n0, size_t n1) {
   const size_t K = w.shape[1], N = w.shape[0];
   // Blocks of output rows small enough that their weights stay in L1/L2 while every row tile
-  // passes over them: the base is read from memory once per call.
-  const size_t block = std::max<size_t>(1, (32u << 10) / std::max<size_t>(1, K * dtype_size(w.dtype)));
+  // passes over them: the base is read from memory once per call, each variant's signs once.
+  const size_t block = std::max<size_t>(2, (16u << 10) / std::max<size_t>(1, K * dtype_size(w.dtype)));
   for (size_t b0 = n0; b0 < n1; b0 += block) {
     const size_t b1 = std::min(n1, b0 + block);
     for (size_t r = 0; r < rows; r += kTile) {
       const size_t nr = std::min(kTile, rows - r);
       const float* xr = x + r * K;
       float* yr = y + r * N;
-      switch (nr) {
-        case 1: tile_avx2<1>(w, xr, deltas + r, sum_x + r, bias, yr, N, b0, b1); break;
-        case 2: tile_avx2<2>(w, xr, deltas + r, sum_x + r, bias, yr, N, b0, b1); break;
-        case 3: tile_avx2<3>(w, xr, deltas + r, sum_x + r, bias, yr, N, b0, b1); break;
-        default: tile_avx2<4>(w, xr, deltas + r, sum_x + r, bias, yr, N, b0, b1); break;
+      const bool any_delta = std::any_of(deltas + r, deltas + r + nr, [](const DeltaRef& d) { return d.signs; });
+      if (any_delta) {
+        switch (nr) {
+          case 1: fused_tile_avx2<1>(w, xr, deltas + r, sum_x + r, yr, N, b0, b1); break;
+          case 2: fused_tile_avx2<2>(w, xr, deltas + r, sum_x + r, yr, N, b0, b1); break;
+          case 3: fused_tile_avx2<3>(w, xr, deltas + r, sum_x + r, yr, N, b0, b1); break;
+          default: fused_tile_avx2<4>(w, xr, deltas + r, sum_x + r, yr, N, b0, b1); break;
+        }
+      } else {
+        switch (nr) {
+          case 1: base_tile_avx2<1>(w, xr, yr, N, b0, b1); break;
+          case 2: base_tile_avx2<2>(w, xr, yr, N, b0, b1); break;
+          case 3: base_tile_avx2<3>(w, xr, yr, N, b0, b1); break;
+          default: base_tile_avx2<4>(w, xr, yr, N, b0, b1); break;
+        }
       }
     }
+    if (bias)
+      for (size_t r = 0; r < rows; ++r)
+        for (size_t n = b0; n < b1; ++n) y[r * N + n] += bias[n];
   }
 }
 
@@ -156,6 +204,129 @@ bool has_avx2() {
   return yes;
 }
 
+// bits·x for one sign row (AVX2 through the mask table).
+__attribute__((target("avx2,fma"))) float bits_dot_avx2(const uint8_t* signs, const float* x, size_t K) {
+  const auto& table = mask_table();
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  size_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 m0 = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table[signs[k / 8]].data())));
+    const __m256 m1 =
+        _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table[signs[k / 8 + 1]].data())));
+    acc0 = _mm256_add_ps(acc0, _mm256_and_ps(m0, _mm256_loadu_ps(x + k)));
+    acc1 = _mm256_add_ps(acc1, _mm256_and_ps(m1, _mm256_loadu_ps(x + k + 8)));
+  }
+  float sum = hsum(_mm256_add_ps(acc0, acc1));
+  for (; k < K; ++k)
+    if ((signs[k / 8] >> (k % 8)) & 1) sum += x[k];
+  return sum;
+}
+
+float bits_dot(const uint8_t* signs, const float* x, size_t K) {
+  if (has_avx2()) return bits_dot_avx2(signs, x, K);
+  float sum = 0;
+  for (size_t k = 0; k < K; ++k)
+    if ((signs[k / 8] >> (k % 8)) & 1) sum += x[k];
+  return sum;
+}
+
+// Many rows (prefill, large batches): blocks of output rows are converted to float32 in cache and
+// multiplied with cblas_sgemm. Rows of the base, and of variants with few rows, share one GEMM
+// against the base block (their deltas added per row through the mask table); a variant with many
+// rows gets its own GEMM against W_base + α·S formed for this block only (in L2, never whole).
+constexpr size_t kGemmRows = 16;      // from this many rows on, the GEMM path (measured: bench_linear)
+constexpr size_t kGemmBlock = 64;     // output rows per block: 64·K floats stay in L2
+constexpr size_t kDeltaGemmRows = 4;  // a variant with at least this many rows: its own GEMM
+
+// dst[k] = w[k] + (bit k ? α : −α), k < K.
+__attribute__((target("avx2,fma"))) void add_signs_avx2(const float* w, const uint8_t* signs, float alpha, size_t K,
+                                                       float* dst) {
+  const auto& table = mask_table();
+  const __m256 pos = _mm256_set1_ps(alpha), neg = _mm256_set1_ps(-alpha);
+  size_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 m = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table[signs[k / 8]].data())));
+    _mm256_storeu_ps(dst + k, _mm256_add_ps(_mm256_loadu_ps(w + k), _mm256_blendv_ps(neg, pos, m)));
+  }
+  for (; k < K; ++k) dst[k] = w[k] + ((signs[k / 8] >> (k % 8)) & 1 ? alpha : -alpha);
+}
+
+void add_signs(const float* w, const uint8_t* signs, float alpha, size_t K, float* dst) {
+  if (has_avx2()) return add_signs_avx2(w, signs, alpha, K, dst);
+  for (size_t k = 0; k < K; ++k) dst[k] = w[k] + ((signs[k / 8] >> (k % 8)) & 1 ? alpha : -alpha);
+}
+
+void linear_gemm(const TensorView& w, const float* x, size_t rows, const DeltaRef* deltas, const float* sum_x,
+                 const float* bias, float* y, ThreadPool& pool) {
+  // Our pool splits the output rows; OpenBLAS's own threads would only fight ours for the cores.
+  static const bool single = (openblas_set_num_threads(1), true);
+  (void)single;
+  const size_t K = w.shape[1], N = w.shape[0], esize = dtype_size(w.dtype), row_bytes = (K + 7) / 8;
+  struct Group {
+    DeltaRef delta;            // signs == nullptr: the base group
+    std::vector<size_t> rows;  // batch rows, in order
+    std::vector<float> x;      // those rows gathered (empty if the group is every row)
+  };
+  std::vector<Group> groups(1);
+  for (size_t r = 0; r < rows; ++r) {
+    auto it = std::find_if(groups.begin() + 1, groups.end(),
+                           [&](const Group& g) { return deltas[r].signs && g.delta.signs == deltas[r].signs; });
+    if (!deltas[r].signs) it = groups.begin();
+    if (it == groups.end()) it = groups.insert(groups.end(), Group{deltas[r], {}, {}});
+    it->rows.push_back(r);
+  }
+  std::vector<std::pair<size_t, DeltaRef>> few;  // rows of small variant groups: base GEMM + mask dot
+  for (size_t g = 1; g < groups.size(); ++g)
+    if (groups[g].rows.size() < kDeltaGemmRows) {
+      for (size_t r : groups[g].rows) {
+        groups[0].rows.push_back(r);
+        few.emplace_back(r, groups[g].delta);
+      }
+      groups[g].rows.clear();
+    }
+  std::sort(groups[0].rows.begin(), groups[0].rows.end());
+  for (auto& g : groups)
+    if (!g.rows.empty() && g.rows.size() < rows)
+      for (size_t r : g.rows) g.x.insert(g.x.end(), x + r * K, x + (r + 1) * K);
+
+  const size_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
+  pool.parallel_for(blocks, [&](size_t b0, size_t b1) {
+    thread_local std::vector<float> wblock, weff, z;
+    wblock.resize(kGemmBlock * K);
+    weff.resize(kGemmBlock * K);
+    for (size_t b = b0; b < b1; ++b) {
+      const size_t n0 = b * kGemmBlock, nb = std::min(kGemmBlock, N - n0);
+      to_f32(w.dtype, w.data.data() + n0 * K * esize, wblock.data(), nb * K);
+      for (const auto& g : groups) {
+        if (g.rows.empty()) continue;
+        const float* wb = wblock.data();
+        if (g.delta.signs) {
+          for (size_t j = 0; j < nb; ++j)
+            add_signs(&wblock[j * K], g.delta.signs + (n0 + j) * row_bytes, load_alpha(g.delta, n0 + j), K, &weff[j * K]);
+          wb = weff.data();
+        }
+        const size_t m = g.rows.size();
+        if (g.x.empty()) {  // every row: straight into y
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), int(nb), int(K), 1.0f, x, int(K), wb, int(K),
+                      0.0f, y + n0, int(N));
+          continue;
+        }
+        z.resize(m * nb);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), int(nb), int(K), 1.0f, g.x.data(), int(K), wb,
+                    int(K), 0.0f, z.data(), int(nb));
+        for (size_t i = 0; i < m; ++i) std::memcpy(y + g.rows[i] * N + n0, &z[i * nb], nb * 4);
+      }
+      for (const auto& [r, d] : few)
+        for (size_t j = 0; j < nb; ++j) {
+          const float bx = bits_dot(d.signs + (n0 + j) * row_bytes, x + r * K, K);
+          y[r * N + n0 + j] += load_alpha(d, n0 + j) * (2 * bx - sum_x[r]);
+        }
+      if (bias)
+        for (size_t r = 0; r < rows; ++r)
+          for (size_t j = 0; j < nb; ++j) y[r * N + n0 + j] += bias[n0 + j];
+    }
+  });
+}
 void check_shapes(const TensorView& w, std::span<const float> x, size_t rows, std::span<const DeltaRef> deltas,
                   std::span<float> y) {
   if (w.shape.size() != 2 || !is_float(w.dtype)) fail("fused_linear: weight must be a 2-D float tensor");
@@ -173,6 +344,7 @@ void fused_linear(const TensorView& w, std::span<const float> x, size_t rows, st
   for (size_t r = 0; r < rows; ++r)
     if (deltas[r].signs)
       for (size_t k = 0; k < K; ++k) sum_x[r] += x[r * K + k];
+  if (rows >= kGemmRows) return linear_gemm(w, x.data(), rows, deltas.data(), sum_x.data(), bias, y.data(), pool);
   pool.parallel_for(N, [&](size_t n0, size_t n1) {
     if (has_avx2())
       linear_rows_avx2(w, x.data(), rows, deltas.data(), sum_x.data(), bias, y.data(), n0, n1);
