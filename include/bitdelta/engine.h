@@ -62,7 +62,8 @@ struct GenerationCallbacks {
   // Once, before any token, if prompt_logprobs was asked: log p of tokens 1..n-1 of the prompt.
   std::function<void(const std::vector<float>&)> on_prompt_logprobs;
   // Each generated token, with the text that became final with it (may be empty; never a split
-  // UTF-8 character, never part of a stop string).
+  // UTF-8 character, never part of a stop string). At the end, text held back until then comes
+  // with token −1 (no token).
   std::function<void(const TokenLogprob&, const std::string& text)> on_token;
   // Exactly once at the end, unless on_error is called instead.
   std::function<void(FinishReason, const Usage&)> on_done;

@@ -71,9 +71,12 @@ class Model {
   // copied.
   int add_variant(const std::string& name, const std::filesystem::path& delta_path, bool force = false);
   int add_variant(const std::string& name, std::shared_ptr<const DeltaFile> delta, bool force = false);
+  // Drops a variant (its delta file is unmapped when nothing else holds it). Sequences of it must
+  // be finished first. The id is not reused.
+  void remove_variant(int id);
   int find_variant(const std::string& name) const;  // -1 if absent
   size_t variant_count() const { return variants_.size(); }
-  const VariantWeights& variant(int id) const { return *variants_.at(size_t(id)); }
+  const VariantWeights& variant(int id) const;
 
   Sequence new_sequence(int variant) const;
 

@@ -178,12 +178,23 @@ int Model::add_variant(const std::string& name, std::shared_ptr<const DeltaFile>
 
 int Model::find_variant(const std::string& name) const {
   for (size_t i = 0; i < variants_.size(); ++i)
-    if (variants_[i]->name == name) return int(i);
+    if (variants_[i] && variants_[i]->name == name) return int(i);
   return -1;
 }
 
+void Model::remove_variant(int id) {
+  if (id <= 0 || size_t(id) >= variants_.size() || !variants_[size_t(id)]) fail("no variant with id ", id, " to remove");
+  variants_[size_t(id)].reset();
+}
+
+const VariantWeights& Model::variant(int id) const {
+  if (id < 0 || size_t(id) >= variants_.size() || !variants_[size_t(id)]) fail("no variant with id ", id);
+  return *variants_[size_t(id)];
+}
+
 Sequence Model::new_sequence(int variant) const {
-  if (variant < 0 || size_t(variant) >= variants_.size()) fail("no variant with id ", variant);
+  if (variant < 0 || size_t(variant) >= variants_.size() || !variants_[size_t(variant)])
+    fail("no variant with id ", variant);
   Sequence s;
   s.variant = variant;
   s.keys.resize(config_.layers);
@@ -242,7 +253,8 @@ std::vector<float> Model::forward(std::span<const ForwardRow> rows) {
   std::map<Sequence*, size_t> next_pos;
   for (size_t r = 0; r < R; ++r) {
     Sequence* s = rows[r].sequence;
-    if (s->variant < 0 || size_t(s->variant) >= variants_.size()) fail("sequence has unknown variant ", s->variant);
+    if (s->variant < 0 || size_t(s->variant) >= variants_.size() || !variants_[size_t(s->variant)])
+      fail("sequence has unknown variant ", s->variant);
     if (rows[r].token < 0 || uint64_t(rows[r].token) >= c.vocab_size)
       fail("token id ", rows[r].token, " is outside the vocabulary (", c.vocab_size, " tokens)");
     vw[r] = variants_[size_t(s->variant)].get();

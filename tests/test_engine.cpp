@@ -1,0 +1,265 @@
+// The engine end to end on the demo family: continuous batching across variants gives the same
+// tokens as running each request alone, a cold variant loads once for many requests, the cache
+// evicts by policy under a byte budget and keeps pinned variants, a broken delta fails only its
+// own requests, and a cancelled request frees its slot.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "bitdelta/compress.h"
+#include "bitdelta/engine.h"
+#include "bitdelta/generate.h"
+#include "test_util.h"
+
+namespace bitdelta {
+namespace {
+
+namespace fs = std::filesystem;
+const fs::path kDemo = fs::path(BITDELTA_SOURCE_DIR) / "models" / "demo";
+const std::vector<std::string> kVariants{"coder", "math", "writer", "legal"};
+
+// Collects one request's callbacks and lets the test wait for the end.
+struct Collector {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::vector<int32_t> tokens;
+  std::string text, error;
+  int status = 0;
+  bool done = false;
+  FinishReason reason = FinishReason::kNone;
+
+  GenerationCallbacks callbacks() {
+    GenerationCallbacks cb;
+    cb.on_token = [this](const TokenLogprob& t, const std::string& piece) {
+      std::lock_guard lock(mutex);
+      if (t.token >= 0) tokens.push_back(t.token);
+      text += piece;
+    };
+    cb.on_done = [this](FinishReason r, const Usage&) {
+      std::lock_guard lock(mutex);
+      reason = r;
+      done = true;
+      cv.notify_all();
+    };
+    cb.on_error = [this](const std::string& msg, int http) {
+      std::lock_guard lock(mutex);
+      error = msg;
+      status = http;
+      done = true;
+      cv.notify_all();
+    };
+    return cb;
+  }
+  bool wait(double seconds = 60) {
+    std::unique_lock lock(mutex);
+    return cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return done; });
+  }
+};
+
+class EngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!fs::exists(kDemo / "base" / "config.json")) return;
+    deltas_ = new test::TempDir();
+    for (const auto& v : kVariants)
+      compress(Checkpoint(kDemo / "base"), Checkpoint(kDemo / v), (*deltas_) / (v + ".bitdelta"));
+  }
+  static void TearDownTestSuite() {
+    delete deltas_;
+    deltas_ = nullptr;
+  }
+  void SetUp() override {
+    if (!deltas_) GTEST_SKIP() << "models/demo is missing";
+  }
+  static fs::path delta(const std::string& v) { return (*deltas_) / (v + ".bitdelta"); }
+
+  static GenerationRequest greedy(const Engine& e, const std::string& model, const std::string& prompt, size_t n) {
+    GenerationRequest r;
+    r.model = model;
+    r.prompt = e.tokenizer().encode(prompt, true);
+    r.sampling.temperature = 0;
+    r.stop.max_tokens = n;
+    return r;
+  }
+
+  static test::TempDir* deltas_;
+};
+test::TempDir* EngineTest::deltas_ = nullptr;
+
+TEST_F(EngineTest, MixedVariantBatchesGiveTheTokensOfEachRequestAlone) {
+  EngineOptions opt;
+  opt.threads = 2;
+  Engine engine(kDemo / "base", opt);
+  for (const auto& v : kVariants) engine.add_variant(v, delta(v));
+  const std::vector<std::pair<std::string, std::string>> jobs{
+      {"coder", "def add(a, b):\n"}, {"math", "Question: What is 12 + 30?\nAnswer:"},
+      {"writer", "The old house"}, {"legal", "Permission is hereby granted"}, {"base", "The"}};
+  std::vector<Collector> together(jobs.size());
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (size_t i = 0; i < jobs.size(); ++i)
+    handles.push_back(engine.submit(greedy(engine, jobs[i].first, jobs[i].second, 24), together[i].callbacks()));
+  for (auto& c : together) ASSERT_TRUE(c.wait());
+  const auto m = engine.metrics();
+  EXPECT_GT(m.mixed_steps, 0u);
+  EXPECT_GE(m.max_variants_in_step, 3u);
+
+  // The same requests one at a time, through the single-sequence path.
+  Model model(kDemo / "base", 2);
+  const Tokenizer& tok = engine.tokenizer();
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ASSERT_TRUE(together[i].error.empty()) << together[i].error;
+    const int id = jobs[i].first == "base" ? 0 : model.add_variant(jobs[i].first, delta(jobs[i].first));
+    SamplingParams sp;
+    sp.temperature = 0;
+    StopConditions stop;
+    stop.stop_ids = tok.eos_ids();
+    stop.max_tokens = 24;
+    const auto alone = generate(model, tok, id, tok.encode(jobs[i].second, true), sp, stop);
+    EXPECT_EQ(together[i].tokens, alone.tokens) << jobs[i].first;
+    EXPECT_EQ(together[i].text, alone.text) << jobs[i].first;
+  }
+}
+
+TEST_F(EngineTest, TwentyRequestsToAColdVariantCauseOneLoad) {
+  EngineOptions opt;
+  opt.threads = 2;
+  Engine engine(kDemo / "base", opt);
+  engine.add_variant("coder", delta("coder"));
+  std::vector<Collector> c(20);
+  std::vector<std::shared_ptr<RequestHandle>> h;
+  for (auto& x : c) h.push_back(engine.submit(greedy(engine, "coder", "import", 4), x.callbacks()));
+  for (auto& x : c) {
+    ASSERT_TRUE(x.wait());
+    EXPECT_TRUE(x.error.empty()) << x.error;
+  }
+  const auto m = engine.metrics();
+  EXPECT_EQ(m.cache_loads, 1u);
+  EXPECT_EQ(m.cache_misses, 20u);
+}
+
+TEST_F(EngineTest, BudgetOfTwoDeltasEvictsByPolicyAndKeepsPinned) {
+  std::vector<uint64_t> sizes;
+  for (const auto& v : kVariants) sizes.push_back(fs::file_size(delta(v)));
+  std::sort(sizes.rbegin(), sizes.rend());
+  const uint64_t budget = sizes[0] + sizes[1] + 1024;  // any two fit
+  ASSERT_GT(sizes[1] + sizes[2] + sizes[3], budget);   // no three do
+
+  auto run = [](Engine& e, const std::string& v) {
+    Collector c;
+    auto h = e.submit(greedy(e, v, "a", 2), c.callbacks());
+    EXPECT_TRUE(c.wait());
+    EXPECT_TRUE(c.error.empty()) << c.error;
+  };
+  auto state = [](const Engine& e, const std::string& v) {
+    for (const auto& s : e.variants())
+      if (s.name == v) return s.state;
+    return std::string("?");
+  };
+  auto resident_bytes = [](const Engine& e) {
+    uint64_t total = 0;
+    for (const auto& s : e.variants()) total += s.bytes;
+    return total;
+  };
+  EngineOptions opt;
+  opt.threads = 2;
+  opt.delta_cache_bytes = budget;
+  {
+    // A pinned variant stays whatever else is asked for.
+    auto pinned = opt;
+    pinned.pinned = {"legal"};
+    Engine engine(kDemo / "base", pinned);
+    for (const auto& v : kVariants) engine.add_variant(v, delta(v));
+    for (const auto& v : {"legal", "coder", "math", "writer", "coder"}) {
+      run(engine, v);
+      EXPECT_EQ(state(engine, "legal"), "resident") << "after " << v;
+      EXPECT_EQ(state(engine, v), "resident");
+      EXPECT_LE(resident_bytes(engine), budget);
+    }
+    EXPECT_EQ(engine.metrics().cache_evictions, 3u);
+  }
+  {
+    // Rate outweighs recency: math asked for 10 times, then coder once (the most recent); a third
+    // variant evicts coder, the one with the lower rate-weighted score. (Half-life 2 s: math's rate
+    // stays above 2/s for the test's duration, coder's ~0.35/s plus at most 1 for recency.)
+    auto fast = opt;
+    fast.rate_half_life_s = 2;
+    Engine engine(kDemo / "base", fast);
+    for (const auto& v : kVariants) engine.add_variant(v, delta(v));
+    for (int i = 0; i < 10; ++i) run(engine, "math");
+    run(engine, "coder");
+    run(engine, "writer");
+    EXPECT_EQ(state(engine, "math"), "resident");
+    EXPECT_EQ(state(engine, "writer"), "resident");
+    EXPECT_EQ(state(engine, "coder"), "cold");
+    EXPECT_EQ(engine.metrics().cache_evictions, 1u);
+  }
+}
+
+TEST_F(EngineTest, ACorruptDeltaFailsOnlyItsOwnRequestsAndIsRetried) {
+  test::TempDir dir;
+  const auto bad = dir / "bad.bitdelta";
+  std::string bytes = test::read_file(delta("writer"));
+  test::write_text(bad, bytes.substr(0, bytes.size() / 2));  // truncated
+  EngineOptions opt;
+  opt.threads = 2;
+  Engine engine(kDemo / "base", opt);
+  engine.add_variant("broken", bad);
+  engine.add_variant("coder", delta("coder"));
+  Collector b1, b2, ok;
+  auto h1 = engine.submit(greedy(engine, "broken", "x", 4), b1.callbacks());
+  auto h2 = engine.submit(greedy(engine, "broken", "y", 4), b2.callbacks());
+  auto h3 = engine.submit(greedy(engine, "coder", "def", 8), ok.callbacks());
+  for (auto* c : {&b1, &b2, &ok}) ASSERT_TRUE(c->wait());
+  EXPECT_NE(b1.error.find("broken"), std::string::npos) << b1.error;
+  EXPECT_NE(b1.error.find("bad.bitdelta"), std::string::npos) << b1.error;
+  EXPECT_EQ(b1.status, 500);
+  EXPECT_FALSE(b2.error.empty());
+  EXPECT_TRUE(ok.error.empty()) << ok.error;
+  EXPECT_EQ(ok.tokens.size(), 8u);
+  // Fixed on disk: the next request loads it again and succeeds.
+  test::write_text(bad, bytes);
+  Collector again;
+  auto h4 = engine.submit(greedy(engine, "broken", "z", 4), again.callbacks());
+  ASSERT_TRUE(again.wait());
+  EXPECT_TRUE(again.error.empty()) << again.error;
+  EXPECT_EQ(engine.metrics().cache_load_failures, 1u);
+}
+
+TEST_F(EngineTest, CancelFreesTheSlotAndRefusalsAreClear) {
+  EngineOptions opt;
+  opt.threads = 2;
+  opt.max_queue = 4;
+  opt.max_running = 1;
+  Engine engine(kDemo / "base", opt);
+  Collector c;
+  auto h = engine.submit(greedy(engine, "base", "The", 100000), c.callbacks());
+  for (int i = 0; i < 200 && engine.metrics().running == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(engine.metrics().running, 1u);
+  h->cancel();
+  for (int i = 0; i < 200 && engine.metrics().running != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(engine.metrics().running, 0u);
+  EXPECT_FALSE(c.done);  // no callback after cancel
+
+  auto kind_of = [&](GenerationRequest r) {
+    try {
+      Collector x;
+      engine.submit(std::move(r), x.callbacks());
+    } catch (const EngineError& e) {
+      return int(e.kind);
+    }
+    return -1;
+  };
+  EXPECT_EQ(kind_of(greedy(engine, "nope", "a", 1)), int(EngineError::Kind::UnknownModel));
+  auto bad = greedy(engine, "base", "a", 1);
+  bad.prompt.push_back(999999);
+  EXPECT_EQ(kind_of(bad), int(EngineError::Kind::BadRequest));
+  bad = greedy(engine, "base", "a", 1);
+  bad.sampling.temperature = -1;
+  EXPECT_EQ(kind_of(bad), int(EngineError::Kind::BadRequest));
+}
+
+}  // namespace
+}  // namespace bitdelta
