@@ -44,8 +44,9 @@ TEST(FusedLinear, MatchesReferenceOnRandomShapesAndMixedVariants) {
         }
         const auto bias = test::random_floats(N, rng());
         for (const float* b : {static_cast<const float*>(nullptr), bias.data()}) {
-          std::vector<float> got(rows * N, NAN), ref(rows * N);
+          std::vector<float> got(rows * N, NAN), plain(rows * N, NAN), ref(rows * N);
           fused_linear(wv, x, rows, refs, b, got, pool);
+          fused_linear(wv, x, rows, refs, b, plain, pool, /*simd=*/false);
           fused_linear_reference(wv, x, rows, refs, b, ref);
           const auto wf = w.floats();
           for (size_t r = 0; r < rows; ++r)
@@ -56,6 +57,8 @@ TEST(FusedLinear, MatchesReferenceOnRandomShapesAndMixedVariants) {
               for (size_t k = 0; k < K; ++k) scale += std::fabs((std::fabs(wf[n * K + k]) + 0.02) * x[r * K + k]);
               ASSERT_NEAR(got[r * N + n], ref[r * N + n], 1.2e-7 * double(K) * scale + 1e-6)
                   << dtype_name(dtype) << " N=" << N << " K=" << K << " rows=" << rows << " r=" << r << " n=" << n;
+              ASSERT_NEAR(plain[r * N + n], ref[r * N + n], 1.2e-7 * double(K) * scale + 1e-6)
+                  << "plain loops: " << dtype_name(dtype) << " N=" << N << " K=" << K << " rows=" << rows;
             }
         }
       }

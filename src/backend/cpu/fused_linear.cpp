@@ -337,7 +337,7 @@ void check_shapes(const TensorView& w, std::span<const float> x, size_t rows, st
 }  // namespace
 
 void fused_linear(const TensorView& w, std::span<const float> x, size_t rows, std::span<const DeltaRef> deltas,
-                  const float* bias, std::span<float> y, ThreadPool& pool) {
+                  const float* bias, std::span<float> y, ThreadPool& pool, bool simd) {
   check_shapes(w, x, rows, deltas, y);
   const size_t K = w.shape[1], N = w.shape[0];
   std::vector<float> sum_x(rows, 0.0f);
@@ -346,7 +346,7 @@ void fused_linear(const TensorView& w, std::span<const float> x, size_t rows, st
       for (size_t k = 0; k < K; ++k) sum_x[r] += x[r * K + k];
   if (rows >= kGemmRows) return linear_gemm(w, x.data(), rows, deltas.data(), sum_x.data(), bias, y.data(), pool);
   pool.parallel_for(N, [&](size_t n0, size_t n1) {
-    if (has_avx2())
+    if (simd && has_avx2())
       linear_rows_avx2(w, x.data(), rows, deltas.data(), sum_x.data(), bias, y.data(), n0, n1);
     else
       linear_rows_scalar(w, x.data(), rows, deltas.data(), bias, y.data(), n0, n1);

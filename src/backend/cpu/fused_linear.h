@@ -14,9 +14,11 @@
 namespace bitdelta::cpu {
 
 // x: [rows, K] floats; y: [rows, N]; w: [N, K] in BF16, F16 or F32; deltas[r] is row r's delta
-// (signs == nullptr: the base alone); bias: optional [N].
+// (signs == nullptr: the base alone); bias: optional [N]. Few rows go through SIMD GEMV tiles
+// (AVX2 when the CPU has it, else plain loops; simd = false forces the plain loops, for tests),
+// many rows through blocked GEMMs.
 void fused_linear(const TensorView& w, std::span<const float> x, size_t rows, std::span<const DeltaRef> deltas,
-                  const float* bias, std::span<float> y, ThreadPool& pool);
+                  const float* bias, std::span<float> y, ThreadPool& pool, bool simd = true);
 
 // The plain reference, for tests only: materializes W_eff in float32 per row, then multiplies
 // in float64.
