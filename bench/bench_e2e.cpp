@@ -98,21 +98,32 @@ int main(int argc, char** argv) {
       return t;
     };
 
-    // Prefill: one sequence of `prompt` tokens in one step.
-    std::printf("%-34s %10s %12s\n", "prefill (1 sequence)", "time", "tokens/s");
-    for (int v : {0, 1}) {
+    // Prefill: `prompt` tokens in one step: one sequence of the base, one of a variant, and 8
+    // sequences of prompt/8 tokens from 8 distinct variants.
+    std::printf("%-40s %10s %12s\n", "prefill (one step)", "time", "tokens/s");
+    struct PrefillCase {
+      std::string name;
+      std::vector<int> variants;
+    };
+    std::vector<PrefillCase> pre{{std::to_string(prompt) + " tokens, base", {0}},
+                                 {std::to_string(prompt) + " tokens, one variant", {1}}};
+    if (deltas.size() >= 8) pre.push_back({std::to_string(prompt) + " tokens, 8 variants x " + std::to_string(prompt / 8), {1, 2, 3, 4, 5, 6, 7, 8}});
+    for (const auto& pc : pre) {
       std::vector<double> t;
       for (int rep = 0; rep < 2; ++rep) {
-        auto seq = model.new_sequence(v);
-        const auto toks = tokens_of(prompt, size_t(rep));
+        std::vector<Sequence> seqs;
+        for (int v : pc.variants) seqs.push_back(model.new_sequence(v));
         std::vector<ForwardRow> rows;
-        for (size_t i = 0; i < toks.size(); ++i) rows.push_back({&seq, toks[i], i + 1 == toks.size()});
+        const size_t each = prompt / pc.variants.size();
+        for (size_t s = 0; s < seqs.size(); ++s) {
+          const auto toks = tokens_of(each, s + size_t(rep));
+          for (size_t i = 0; i < toks.size(); ++i) rows.push_back({&seqs[s], toks[i], i + 1 == toks.size()});
+        }
         const auto t0 = Clock::now();
         model.forward(rows);
         t.push_back(seconds_since(t0));
       }
-      std::printf("%-34s %8.3f s %12.1f\n", (std::to_string(prompt) + " tokens, " + (v ? "one variant" : "base")).c_str(),
-                  median(t), double(prompt) / median(t));
+      std::printf("%-40s %8.3f s %12.1f\n", pc.name.c_str(), median(t), double(prompt) / median(t));
     }
 
     // Decode: B sequences, one row each per step.
@@ -122,7 +133,7 @@ int main(int argc, char** argv) {
     };
     std::vector<Case> cases{{"batch 1, base", {0}}, {"batch 1, one variant", {1}}, {"batch 8, base", std::vector<int>(8, 0)}};
     if (deltas.size() >= 8) cases.push_back({"batch 8, 8 distinct variants", {1, 2, 3, 4, 5, 6, 7, 8}});
-    std::printf("\n%-34s %10s %12s %10s %10s %9s\n", "decode", "step", "tokens/s", "MB/step", "GB/s", "roofline");
+    std::printf("\n%-40s %10s %12s %10s %10s %9s\n", "decode", "step", "tokens/s", "MB/step", "GB/s", "roofline");
     for (const auto& cs : cases) {
       std::vector<Sequence> seqs;
       for (int v : cs.variants) seqs.push_back(model.new_sequence(v));
@@ -139,7 +150,7 @@ int main(int argc, char** argv) {
         steps.push_back(seconds_since(t0));
       }
       const double step = median(steps), bytes = step_bytes(model, cs.variants);
-      std::printf("%-34s %8.1f ms %12.2f %10.1f %10.2f %9.2f\n", cs.name, step * 1e3, double(seqs.size()) / step,
+      std::printf("%-40s %8.1f ms %12.2f %10.1f %10.2f %9.2f\n", cs.name, step * 1e3, double(seqs.size()) / step,
                   bytes / 1e6, bytes / step / 1e9, bytes / step / bw);
     }
   } catch (const std::exception& e) {
