@@ -11,5 +11,7 @@ void add_apply_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
 void add_score_command(CLI::App& app);
 void add_eval_command(CLI::App& app);
+void add_serve_command(CLI::App& app);
+void add_bench_command(CLI::App& app);  // bench serve
 
 }  // namespace bitdelta::cli

@@ -15,6 +15,8 @@ int main(int argc, char** argv) {
   bitdelta::cli::add_generate_command(app);
   bitdelta::cli::add_score_command(app);
   bitdelta::cli::add_eval_command(app);
+  bitdelta::cli::add_serve_command(app);
+  bitdelta::cli::add_bench_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,155 @@
+// The HTTP layer: httplib setup, API-key check, routing to the handlers, and errors in OpenAI shape
+// for everything the handlers do not answer (unknown routes, oversized bodies, exceptions).
+#include <httplib.h>
+
+#include <cstdio>
+#include <random>
+
+#include "bitdelta/error.h"
+#include "bitdelta/server.h"
+#include "server/routes.h"
+
+namespace bitdelta {
+
+using server::Context;
+
+struct Server::Impl {
+  Context ctx;
+  httplib::Server http;
+  bool bound = false;
+
+  Impl(Engine& engine, ServerOptions options) : ctx(engine, std::move(options)) {}
+};
+
+namespace {
+
+bool authorized(const Context& ctx, const httplib::Request& req) {
+  if (ctx.options.api_key.empty()) return true;
+  const std::string expected = "Bearer " + ctx.options.api_key;
+  const std::string got = req.get_header_value("Authorization");
+  // Compare every byte so the time taken does not reveal how much of the key matched.
+  if (got.size() != expected.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < got.size(); ++i) diff |= static_cast<unsigned char>(got[i] ^ expected[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<Impl>(engine, std::move(options))) {
+  Context& ctx = impl_->ctx;
+  httplib::Server& http = impl_->http;
+  ctx.started = int64_t(std::time(nullptr));
+  {
+    std::random_device rd;
+    char buf[16];
+    std::snprintf(buf, sizeof buf, "%08x", rd());
+    ctx.id_prefix = buf;
+  }
+  bool known = true;
+  ctx.chat_template = ChatTemplate::from_checkpoint(engine.base_dir(), &known);
+  if (!known)
+    std::fprintf(stderr, "[serve] the chat template in %s is not a family we know; chat uses the plain format\n",
+                 (engine.base_dir() / "tokenizer_config.json").c_str());
+  if (!ctx.options.variants_dir.empty()) {
+    std::error_code ec;
+    ctx.variants_root = std::filesystem::canonical(ctx.options.variants_dir, ec);
+    if (ec || !std::filesystem::is_directory(ctx.variants_root))
+      fail("--variants-dir: ", ctx.options.variants_dir.string(), " is not a directory");
+  }
+
+  // Each connection holds a thread while its request runs, so the pool bounds concurrent requests.
+  const size_t threads = std::max<size_t>(ctx.options.http_threads, 2);
+  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  http.set_payload_max_length(ctx.options.max_body_bytes);
+  http.set_read_timeout(30);
+  http.set_write_timeout(30);
+
+  http.set_pre_routing_handler([&ctx](const httplib::Request& req, httplib::Response& res) {
+    if (req.path.rfind("/v1/", 0) == 0 && !authorized(ctx, req)) {
+      server::send_error(ctx, res, "auth", 401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                         "invalid_api_key");
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+
+  // Every handler catches what it expects; anything else becomes a 500 here, never a crash.
+  const auto guard = [&ctx](auto handler) {
+    return [&ctx, handler](const httplib::Request& req, httplib::Response& res) {
+      try {
+        handler(req, res);
+      } catch (const std::exception& e) {
+        server::send_error(ctx, res, req.path, 500, str("internal error: ", e.what()));
+        std::fprintf(stderr, "[serve] %s status=500 internal error: %s\n", req.path.c_str(), e.what());
+      } catch (...) {
+        server::send_error(ctx, res, req.path, 500, "internal error");
+        std::fprintf(stderr, "[serve] %s status=500 internal error\n", req.path.c_str());
+      }
+    };
+  };
+  http.Post("/v1/completions", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+              server::handle_generation(ctx, req, res, server::Endpoint::kCompletions);
+            }));
+  http.Post("/v1/chat/completions", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+              server::handle_generation(ctx, req, res, server::Endpoint::kChat);
+            }));
+  http.Get("/v1/models", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+             server::handle_models(ctx, req, res);
+           }));
+  http.Post("/v1/variants/load", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+              server::handle_load(ctx, req, res);
+            }));
+  http.Post("/v1/variants/unload", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+              server::handle_unload(ctx, req, res);
+            }));
+  http.Get("/health", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+             server::handle_health(ctx, req, res);
+           }));
+  http.Get("/metrics", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+             server::handle_metrics(ctx, req, res);
+           }));
+
+  // Responses httplib makes itself (unknown route 404, too large 413, bad request line 400) get a
+  // body in the API's error shape.
+  http.set_error_handler(httplib::Server::HandlerWithResponse([&ctx](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty() || res.content_length_ > 0) return httplib::Server::HandlerResponse::Unhandled;
+    std::string message = str("HTTP ", res.status);
+    if (res.status == 404) message = str("no route ", req.method, " ", req.path);
+    if (res.status == 413) message = str("request body is larger than ", ctx.options.max_body_bytes, " bytes");
+    res.set_content(server::dump(server::error_body(res.status, message, server::error_type_for(res.status), "")),
+                    "application/json");
+    ctx.http.count("other", res.status);
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+  http.set_exception_handler([&ctx](const httplib::Request& req, httplib::Response& res, std::exception_ptr) {
+    server::send_error(ctx, res, req.path, 500, "internal error");
+  });
+}
+
+Server::~Server() { stop(); }
+
+int Server::bind() {
+  auto& o = impl_->ctx.options;
+  int port = o.port;
+  if (o.port == 0) {
+    port = impl_->http.bind_to_any_port(o.host);
+    if (port < 0) fail("cannot listen on ", o.host, " (any port)");
+  } else if (!impl_->http.bind_to_port(o.host, o.port)) {
+    fail("cannot listen on ", o.host, ":", o.port, " (in use, or not an address of this machine)");
+  }
+  impl_->bound = true;
+  return port;
+}
+
+void Server::run() {
+  if (!impl_->bound) bind();
+  impl_->http.listen_after_bind();
+}
+
+void Server::stop() {
+  impl_->ctx.stopping = true;
+  impl_->http.stop();
+}
+
+}  // namespace bitdelta

@@ -1,0 +1,484 @@
+#include "server/protocol.h"
+
+#include <cmath>
+#include <random>
+
+#include "bitdelta/error.h"
+
+namespace bitdelta::server {
+
+namespace {
+
+constexpr int64_t kMaxLogprobs = 20;
+constexpr size_t kMaxStops = 16;
+
+[[noreturn]] void bad(const std::string& message) { throw ApiError(400, message); }
+
+bool present(const json& body, const char* field) { return body.contains(field) && !body[field].is_null(); }
+
+bool get_bool(const json& body, const char* field, bool fallback) {
+  if (!present(body, field)) return fallback;
+  if (!body[field].is_boolean()) bad(str(field, " must be a boolean"));
+  return body[field].get<bool>();
+}
+
+// Integers may arrive as 16 or 16.0; anything else (strings, fractions, 1e300) is refused.
+int64_t get_int(const json& v, const std::string& field, int64_t lo, int64_t hi) {
+  const auto range = [&] {
+    return hi == INT64_MAX ? str(field, " must be an integer >= ", lo)
+                           : str(field, " must be an integer between ", lo, " and ", hi);
+  };
+  int64_t x = 0;
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > uint64_t(INT64_MAX)) bad(range());
+    x = int64_t(u);
+  } else if (v.is_number_integer()) {
+    x = v.get<int64_t>();
+  } else if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (!std::isfinite(d) || d != std::floor(d) || std::fabs(d) > 9.0e15) bad(range());
+    x = int64_t(d);
+  } else {
+    bad(range());
+  }
+  if (x < lo || x > hi) bad(range());
+  return x;
+}
+
+double get_number(const json& body, const char* field, double fallback) {
+  if (!present(body, field)) return fallback;
+  const auto& v = body[field];
+  if (!v.is_number()) bad(str(field, " must be a number"));
+  const double d = v.get<double>();
+  if (!std::isfinite(d)) bad(str(field, " must be a finite number"));
+  return d;
+}
+
+void check_token(const Tokenizer& tokenizer, const json& v, const std::string& field) {
+  (void)get_int(v, field, 0, int64_t(tokenizer.vocab_size()) - 1);
+}
+
+std::vector<int32_t> token_ids(const Tokenizer& tokenizer, const json& array, const std::string& field) {
+  std::vector<int32_t> ids;
+  ids.reserve(array.size());
+  for (size_t i = 0; i < array.size(); ++i) {
+    const std::string name = str(field, "[", i, "]");
+    if (!array[i].is_number()) bad(str(name, " must be a token id (an integer)"));
+    check_token(tokenizer, array[i], name + " (a token id)");
+    ids.push_back(array[i].get<int32_t>());
+  }
+  return ids;
+}
+
+std::vector<int32_t> encode_text(const Tokenizer& tokenizer, const std::string& text) {
+  return tokenizer.encode(text, tokenizer.bos_id() >= 0);
+}
+
+// The text of a chat message's content: a string, or a list of {"type": "text", "text"} parts.
+std::string message_content(const json& m, size_t i) {
+  const std::string field = str("messages[", i, "].content");
+  if (!m.contains("content") || m["content"].is_null()) {
+    if (m.value("role", "") == "assistant") return "";
+    bad(field + " is required");
+  }
+  const auto& c = m["content"];
+  if (c.is_string()) return c.get<std::string>();
+  if (!c.is_array()) bad(field + " must be a string or a list of text parts");
+  std::string text;
+  for (size_t k = 0; k < c.size(); ++k) {
+    const auto& part = c[k];
+    const std::string pf = str(field, "[", k, "]");
+    if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
+      bad(pf + " must be an object with a type");
+    if (part["type"] != "text") bad(str(pf, ".type '", part["type"].get<std::string>(), "' is not supported (only text)"));
+    if (!part.contains("text") || !part["text"].is_string()) bad(pf + ".text must be a string");
+    text += part["text"].get<std::string>();
+  }
+  return text;
+}
+
+void parse_prompt(const json& body, const ModelInfo& model, ParsedRequest& r) {
+  const Tokenizer& tok = *model.tokenizer;
+  if (!present(body, "prompt")) bad("prompt is required");
+  const json& p = body["prompt"];
+  if (p.is_string()) {
+    r.echo_text = p.get<std::string>();
+    r.engine.prompt = encode_text(tok, r.echo_text);
+  } else if (p.is_array()) {
+    if (p.empty()) bad("prompt must not be empty");
+    if (p[0].is_number()) {
+      r.engine.prompt = token_ids(tok, p, "prompt");
+    } else if (p.size() == 1 && p[0].is_string()) {
+      r.echo_text = p[0].get<std::string>();
+      r.engine.prompt = encode_text(tok, r.echo_text);
+    } else if (p.size() == 1 && p[0].is_array()) {
+      if (p[0].empty()) bad("prompt[0] must not be empty");
+      r.engine.prompt = token_ids(tok, p[0], "prompt[0]");
+    } else if (p.size() > 1 && (p[0].is_string() || p[0].is_array())) {
+      bad("prompt: a list of prompts is not supported; send one prompt per request");
+    } else {
+      bad("prompt must be a string, a list of token ids, or a list with one of those");
+    }
+    if (r.echo_text.empty() && !r.engine.prompt.empty()) r.echo_text = tok.decode(r.engine.prompt);
+  } else {
+    bad("prompt must be a string or a list of token ids");
+  }
+  if (r.engine.prompt.empty()) bad("prompt must not be empty (this tokenizer has no BOS)");
+}
+
+void parse_messages(const json& body, const ModelInfo& model, ParsedRequest& r) {
+  if (!present(body, "messages")) bad("messages is required");
+  const json& ms = body["messages"];
+  if (!ms.is_array()) bad("messages must be a list of {role, content}");
+  if (ms.empty()) bad("messages must not be empty");
+  std::vector<ChatMessage> messages;
+  for (size_t i = 0; i < ms.size(); ++i) {
+    const auto& m = ms[i];
+    if (!m.is_object()) bad(str("messages[", i, "] must be an object with role and content"));
+    if (!m.contains("role") || !m["role"].is_string()) bad(str("messages[", i, "].role must be a string"));
+    messages.push_back({m["role"].get<std::string>(), message_content(m, i)});
+  }
+  std::vector<ChatSegment> segments;
+  try {
+    segments = model.chat_template->render(messages);
+  } catch (const Error& e) {
+    bad(e.what());
+  }
+  const Tokenizer& tok = *model.tokenizer;
+  auto& ids = r.engine.prompt;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    if ((i == 0 || segments[i].bos_before) && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+    const auto piece = tok.encode(segments[i].text, false);
+    ids.insert(ids.end(), piece.begin(), piece.end());
+    if (segments[i].eos_after && !tok.eos_ids().empty()) ids.push_back(tok.eos_ids().front());
+  }
+}
+
+void parse_stop(const json& body, ParsedRequest& r) {
+  if (!present(body, "stop")) return;
+  const json& s = body["stop"];
+  auto& out = r.engine.stop.stop_strings;
+  if (s.is_string()) {
+    if (s.get<std::string>().empty()) bad("stop must not be an empty string");
+    out.push_back(s.get<std::string>());
+    return;
+  }
+  if (!s.is_array()) bad("stop must be a string or a list of strings");
+  if (s.size() > kMaxStops) bad(str("stop may list at most ", kMaxStops, " strings"));
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (!s[i].is_string()) bad(str("stop[", i, "] must be a string"));
+    if (s[i].get<std::string>().empty()) bad(str("stop[", i, "] must not be empty"));
+    out.push_back(s[i].get<std::string>());
+  }
+}
+
+void parse_sampling(const json& body, ParsedRequest& r) {
+  SamplingParams& s = r.engine.sampling;
+  s.temperature = float(get_number(body, "temperature", 1.0));
+  if (s.temperature < 0) bad("temperature must be >= 0");
+  s.top_p = float(get_number(body, "top_p", 1.0));
+  if (!(s.top_p > 0 && s.top_p <= 1)) bad("top_p must be in (0, 1]");
+  if (present(body, "top_k")) {
+    const int64_t k = get_int(body["top_k"], "top_k", -1, INT32_MAX);
+    s.top_k = k < 0 ? 0 : int(k);  // -1 means off, as in vLLM
+  }
+  s.min_p = float(get_number(body, "min_p", 0.0));
+  if (s.min_p < 0 || s.min_p > 1) bad("min_p must be in [0, 1]");
+  s.repetition_penalty = float(get_number(body, "repetition_penalty", 1.0));
+  if (!(s.repetition_penalty > 0)) bad("repetition_penalty must be > 0");
+  if (present(body, "seed")) {
+    const json& v = body["seed"];
+    if (v.is_number_unsigned()) s.seed = v.get<uint64_t>();
+    else if (v.is_number_integer()) s.seed = uint64_t(v.get<int64_t>());
+    else bad("seed must be an integer");
+  } else {
+    // No seed: every request draws differently, as the OpenAI API does.
+    s.seed = std::random_device{}() * 0x100000001ull + std::random_device{}();
+  }
+  for (const char* f : {"presence_penalty", "frequency_penalty"})
+    if (get_number(body, f, 0.0) != 0) bad(str(f, " is not supported (use repetition_penalty)"));
+  if (present(body, "logit_bias") && !(body["logit_bias"].is_object() && body["logit_bias"].empty()))
+    bad("logit_bias is not supported");
+  try {
+    s.validate();
+  } catch (const Error& e) {
+    bad(e.what());
+  }
+}
+
+}  // namespace
+
+std::string error_type_for(int status) {
+  switch (status) {
+    case 401: return "authentication_error";
+    case 403: return "permission_error";
+    case 404: return "not_found_error";
+    case 409: return "conflict_error";
+    case 429: return "rate_limit_error";
+    case 503: return "service_unavailable";
+    default: return status >= 500 ? "server_error" : "invalid_request_error";
+  }
+}
+
+json error_body(int status, const std::string& message, const std::string& type, const std::string& code) {
+  return {{"error",
+           {{"message", message},
+            {"type", type.empty() ? error_type_for(status) : type},
+            {"code", code.empty() ? json(nullptr) : json(code)}}}};
+}
+
+json parse_body(const std::string& body) {
+  json j;
+  try {
+    j = json::parse(body);  // also rejects invalid UTF-8 inside strings
+  } catch (const json::exception& e) {
+    bad(str("request body is not valid JSON: ", e.what()));
+  }
+  if (!j.is_object()) bad("request body must be a JSON object");
+  return j;
+}
+
+ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelInfo& model) {
+  ParsedRequest r;
+  r.endpoint = endpoint;
+  const bool chat = endpoint == Endpoint::kChat;
+  if (present(body, "model")) {
+    if (!body["model"].is_string()) bad("model must be a string (GET /v1/models lists them)");
+    r.engine.model = body["model"].get<std::string>();
+  } else {
+    r.engine.model = model.base_name;
+  }
+  if (chat) parse_messages(body, model, r);
+  else parse_prompt(body, model, r);
+  if (r.engine.prompt.size() >= model.context)
+    bad(str("prompt has ", r.engine.prompt.size(), " tokens, but the model's context is ", model.context,
+            " tokens (max_position_embeddings)"));
+
+  for (const char* f : {"n", "best_of"})
+    if (present(body, f) && get_int(body[f], f, 1, INT64_MAX) != 1)
+      bad(str(f, " must be 1 (one choice per request)"));
+  if (present(body, "suffix") && !(body["suffix"].is_string() && body["suffix"].get<std::string>().empty()))
+    bad("suffix is not supported");
+
+  // max_tokens: explicit values must fit the context; the default fills what is left (chat) or is
+  // 16 (completions, as in the OpenAI API), cut to what fits.
+  const size_t room = model.context - r.engine.prompt.size();
+  const char* max_field = chat && present(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+  if (present(body, max_field)) {
+    const auto m = size_t(get_int(body[max_field], max_field, 1, INT64_MAX));
+    if (m > room)
+      bad(str(max_field, " is ", m, ", but the prompt has ", r.engine.prompt.size(),
+              " tokens and the model's context is ", model.context, " tokens"));
+    r.engine.stop.max_tokens = m;
+  } else {
+    r.engine.stop.max_tokens = chat ? room : std::min<size_t>(16, room);
+  }
+
+  parse_sampling(body, r);
+  parse_stop(body, r);
+  r.engine.stop_at_eos = !get_bool(body, "ignore_eos", false);
+  if (present(body, "stop_token_ids")) {
+    if (!body["stop_token_ids"].is_array()) bad("stop_token_ids must be a list of token ids");
+    r.engine.stop.stop_ids = token_ids(*model.tokenizer, body["stop_token_ids"], "stop_token_ids");
+  }
+
+  if (chat) {
+    r.logprobs = get_bool(body, "logprobs", false);
+    if (present(body, "top_logprobs")) {
+      r.engine.top_logprobs = size_t(get_int(body["top_logprobs"], "top_logprobs", 0, kMaxLogprobs));
+      if (!r.logprobs && r.engine.top_logprobs > 0) bad("top_logprobs requires logprobs: true");
+    }
+  } else {
+    if (present(body, "logprobs")) {
+      if (body["logprobs"].is_boolean()) bad(str("logprobs must be an integer between 0 and ", kMaxLogprobs));
+      r.engine.top_logprobs = size_t(get_int(body["logprobs"], "logprobs", 0, kMaxLogprobs));
+      r.logprobs = true;
+    }
+    r.echo = get_bool(body, "echo", false);
+    r.engine.prompt_logprobs = r.echo && r.logprobs;
+  }
+  if (!r.echo) r.echo_text.clear();
+
+  r.stream = get_bool(body, "stream", false);
+  if (present(body, "stream_options")) {
+    const json& so = body["stream_options"];
+    if (!so.is_object()) bad("stream_options must be an object");
+    if (!r.stream) bad("stream_options is only allowed with stream: true");
+    r.include_usage = get_bool(so, "include_usage", false);
+  }
+  return r;
+}
+
+std::string token_text(const Tokenizer& tokenizer, int32_t id) {
+  std::string piece = tokenizer.piece(id);
+  if (tokenizer.is_control(id)) return piece;
+  // Byte-fallback pieces look like <0xE2>: the token stands for that one byte.
+  if (piece.size() == 6 && piece.compare(0, 3, "<0x") == 0 && piece[5] == '>') {
+    try {
+      return std::string(1, char(std::stoi(piece.substr(3, 2), nullptr, 16)));
+    } catch (const std::exception&) {
+      return piece;
+    }
+  }
+  std::string out;
+  static const std::string kSpace = "\xE2\x96\x81";  // ▁
+  for (size_t i = 0; i < piece.size();) {
+    if (piece.compare(i, kSpace.size(), kSpace) == 0) {
+      out += ' ';
+      i += kSpace.size();
+    } else {
+      out += piece[i++];
+    }
+  }
+  return out;
+}
+
+ResponseBuilder::ResponseBuilder(const ParsedRequest& request, const Tokenizer& tokenizer, std::string id, int64_t created)
+    : request_(request), tokenizer_(tokenizer), id_(std::move(id)), created_(created) {}
+
+void ResponseBuilder::set_prompt_logprobs(const std::vector<float>& logprobs) { prompt_logprobs_ = logprobs; }
+
+json ResponseBuilder::chunk(json choice) const {
+  const bool chat = request_.endpoint == Endpoint::kChat;
+  json c = {{"id", id_}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created_},
+            {"model", request_.engine.model}, {"choices", json::array({std::move(choice)})}};
+  if (request_.include_usage) c["usage"] = nullptr;
+  return c;
+}
+
+json ResponseBuilder::usage_json(const Usage& usage) const {
+  return {{"prompt_tokens", usage.prompt_tokens},
+          {"completion_tokens", usage.completion_tokens},
+          {"total_tokens", usage.prompt_tokens + usage.completion_tokens}};
+}
+
+json ResponseBuilder::chat_logprob(const TokenLogprob& t) const {
+  const auto entry = [&](int32_t id, float lp) {
+    const std::string text = token_text(tokenizer_, id);
+    json bytes = json::array();
+    for (unsigned char c : text) bytes.push_back(int(c));
+    return json{{"token", text}, {"logprob", lp}, {"bytes", bytes}};
+  };
+  json e = entry(t.token, t.logprob);
+  json top = json::array();
+  for (const auto& [id, lp] : t.top) top.push_back(entry(id, lp));
+  e["top_logprobs"] = std::move(top);
+  return e;
+}
+
+// The legacy completions shape; with echo, the prompt's tokens come first (their first logprob is
+// null: nothing predicts the first token).
+json ResponseBuilder::legacy_logprobs(size_t from, size_t text_offset, bool with_prompt) const {
+  json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+  if (with_prompt) {
+    const auto& prompt = request_.engine.prompt;
+    size_t offset = 0;
+    for (size_t i = 0; i < prompt.size(); ++i) {
+      const std::string text = token_text(tokenizer_, prompt[i]);
+      tokens.push_back(text);
+      offsets.push_back(std::min(offset, request_.echo_text.size()));
+      if (!tokenizer_.is_control(prompt[i])) offset += text.size();
+      if (i == 0 || i - 1 >= prompt_logprobs_.size()) {
+        lps.push_back(nullptr);
+        tops.push_back(nullptr);
+      } else {
+        lps.push_back(prompt_logprobs_[i - 1]);
+        tops.push_back(json{{text, prompt_logprobs_[i - 1]}});
+      }
+    }
+  }
+  for (size_t i = from; i < tokens_.size(); ++i) {
+    const auto& t = tokens_[i];
+    tokens.push_back(token_text(tokenizer_, t.token));
+    lps.push_back(t.logprob);
+    json top = json::object();
+    for (const auto& [id, lp] : t.top) {
+      const std::string text = token_text(tokenizer_, id);
+      if (!top.contains(text)) top[text] = lp;  // most likely first; equal texts keep the first
+    }
+    tops.push_back(std::move(top));
+    offsets.push_back(text_offset + offsets_[i]);
+  }
+  return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+}
+
+json ResponseBuilder::add_token(const TokenLogprob& token, const std::string& text) {
+  // The engine flushes text held back at the end (an unfinished character, a partial stop-string
+  // match) with token id -1: text without a token of its own.
+  if (token.token >= 0) {
+    offsets_.push_back(text_.size());
+    tokens_.push_back(token);
+  }
+  text_ += text;
+  if (!request_.stream) return nullptr;
+  if (text.empty() && (!request_.logprobs || token.token < 0)) return nullptr;
+  const size_t from = streamed_tokens_;
+  streamed_tokens_ = tokens_.size();
+  const std::string piece = text_.substr(streamed_text_);
+  streamed_text_ = text_.size();
+  if (request_.endpoint == Endpoint::kChat) {
+    json lp = nullptr;
+    if (request_.logprobs) {
+      lp = json{{"content", json::array()}};
+      for (size_t i = from; i < tokens_.size(); ++i) lp["content"].push_back(chat_logprob(tokens_[i]));
+    }
+    return chunk({{"index", 0}, {"delta", {{"content", piece}}}, {"logprobs", lp}, {"finish_reason", nullptr}});
+  }
+  const size_t base = request_.echo ? request_.echo_text.size() : 0;
+  json lp = nullptr;
+  if (request_.logprobs) {
+    lp = legacy_logprobs(from, base, false);
+  }
+  return chunk({{"index", 0}, {"text", piece}, {"logprobs", lp}, {"finish_reason", nullptr}});
+}
+
+std::optional<json> ResponseBuilder::first_chunk() {
+  if (request_.endpoint == Endpoint::kChat)
+    return chunk({{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
+                  {"finish_reason", nullptr}});
+  if (!request_.echo) return std::nullopt;
+  json lp = nullptr;
+  if (request_.logprobs) {
+    // Only the prompt part: generated tokens have not arrived yet.
+    lp = legacy_logprobs(0, 0, true);
+  }
+  return chunk({{"index", 0}, {"text", request_.echo_text}, {"logprobs", lp}, {"finish_reason", nullptr}});
+}
+
+json ResponseBuilder::final_chunk(FinishReason reason) {
+  const char* why = reason == FinishReason::kLength ? "length" : "stop";
+  // Text held back by the engine until the end arrives with on_token; nothing is left to send here.
+  if (request_.endpoint == Endpoint::kChat)
+    return chunk({{"index", 0}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", why}});
+  return chunk({{"index", 0}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", why}});
+}
+
+json ResponseBuilder::usage_chunk(const Usage& usage) {
+  const bool chat = request_.endpoint == Endpoint::kChat;
+  return {{"id", id_}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created_},
+          {"model", request_.engine.model}, {"choices", json::array()}, {"usage", usage_json(usage)}};
+}
+
+json ResponseBuilder::finish(FinishReason reason, const Usage& usage) {
+  const char* why = reason == FinishReason::kLength ? "length" : "stop";
+  json choice;
+  if (request_.endpoint == Endpoint::kChat) {
+    json lp = nullptr;
+    if (request_.logprobs) {
+      lp = json{{"content", json::array()}};
+      for (const auto& t : tokens_) lp["content"].push_back(chat_logprob(t));
+    }
+    choice = {{"index", 0}, {"message", {{"role", "assistant"}, {"content", text_}}}, {"logprobs", lp},
+              {"finish_reason", why}};
+  } else {
+    json lp = nullptr;
+    if (request_.logprobs) lp = legacy_logprobs(0, request_.echo ? request_.echo_text.size() : 0, request_.echo);
+    choice = {{"index", 0}, {"text", request_.echo_text + text_}, {"logprobs", lp}, {"finish_reason", why}};
+  }
+  const bool chat = request_.endpoint == Endpoint::kChat;
+  return {{"id", id_}, {"object", chat ? "chat.completion" : "text_completion"}, {"created", created_},
+          {"model", request_.engine.model}, {"choices", json::array({std::move(choice)})}, {"usage", usage_json(usage)}};
+}
+
+}  // namespace bitdelta::server

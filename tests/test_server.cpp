@@ -1,0 +1,652 @@
+// The OpenAI-compatible server, through real HTTP against a real `bitdelta serve` process on
+// loopback: completions and chat (whole and streamed), logprobs against `bitdelta score`, errors,
+// the delta cache seen through /metrics, disconnects, and a flood of malformed requests. Plus the
+// chat templates and the request parser on their own.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <cmath>
+#include <fstream>
+#include <thread>
+
+#include "bitdelta/chat_template.h"
+#include "bitdelta/error.h"
+#include "bitdelta/tokenizer.h"
+#include "server/protocol.h"
+#include "server_test_util.h"
+
+namespace bitdelta {
+namespace {
+
+using nlohmann::json;
+using test::ServerProcess;
+using test::TinyFamily;
+namespace fs = std::filesystem;
+
+const fs::path kSourceDir = BITDELTA_SOURCE_DIR;
+
+const TinyFamily& family() {
+  static const TinyFamily f;
+  return f;
+}
+
+std::vector<std::string> family_args(const TinyFamily& f, std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {f.base.string(), "--threads", "1"};
+  for (const auto& n : f.names) {
+    args.push_back("--variant");
+    args.push_back(n + "=" + f.delta(n).string());
+  }
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+struct Reply {
+  int status = 0;
+  json body;
+  std::string raw;
+};
+
+Reply post(httplib::Client& c, const std::string& path, const std::string& body,
+           const httplib::Headers& headers = {}) {
+  auto r = c.Post(path, headers, body, "application/json");
+  if (!r) return {-1, nullptr, "no response: " + httplib::to_string(r.error())};
+  return {r->status, json::parse(r->body, nullptr, false), r->body};
+}
+Reply post(httplib::Client& c, const std::string& path, const json& body, const httplib::Headers& headers = {}) {
+  return post(c, path, body.dump(), headers);
+}
+
+// data: events of an SSE body; `done` is set when it ends with [DONE].
+std::vector<json> sse_events(const std::string& body, bool* done) {
+  std::vector<json> out;
+  *done = false;
+  size_t at = 0;
+  while (at < body.size()) {
+    size_t end = body.find("\n\n", at);
+    if (end == std::string::npos) end = body.size();
+    const std::string event = body.substr(at, end - at);
+    at = end + 2;
+    if (event.rfind("data: ", 0) != 0) continue;
+    if (event == "data: [DONE]") {
+      *done = true;
+      continue;
+    }
+    out.push_back(json::parse(event.substr(6)));
+  }
+  return out;
+}
+
+// The value of a metric line "name{labels} value" (labels exactly as written, "" for none).
+double metric(const std::string& page, const std::string& name, const std::string& labels = "") {
+  const std::string key = labels.empty() ? name + " " : name + "{" + labels + "} ";
+  size_t at = 0;
+  while ((at = page.find(key, at)) != std::string::npos) {
+    if (at == 0 || page[at - 1] == '\n') return std::stod(page.substr(at + key.size()));
+    at += key.size();
+  }
+  return std::nan("");
+}
+
+std::string metrics(httplib::Client& c) {
+  auto r = c.Get("/metrics");
+  return r && r->status == 200 ? r->body : "";
+}
+
+std::string variant_state(httplib::Client& c, const std::string& name) {
+  auto r = c.Get("/v1/models");
+  if (!r) return "";
+  const json models = json::parse(r->body);
+  for (const auto& m : models["data"])
+    if (m["id"] == name) return m["state"];
+  return "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chat templates
+
+TEST(ChatTemplate, DemoFamilyRendersLikeTransformers) {
+  bool known = false;
+  const auto t = ChatTemplate::detect(test::kDemoChatTemplate, &known);
+  EXPECT_TRUE(known);
+  EXPECT_EQ(t.family(), ChatFamily::kRoleMarkers);
+  // The string transformers' apply_chat_template(add_generation_prompt=True) renders for one user
+  // message "hi" (tools/demo_family/train.py records it as chat_render).
+  std::string expected = "<|user|>\nhi\n<|assistant|>\n";
+  const fs::path quality = kSourceDir / "models/demo/quality.json";
+  if (fs::exists(quality)) {
+    const json q = json::parse(std::ifstream(quality));
+    const auto& checks = q["transformers_checks"]["autotokenizer"];
+    if (checks.contains("chat_render")) expected = checks["chat_render"].get<std::string>();
+  }
+  const auto segments = t.render({{"user", "hi"}});
+  ASSERT_EQ(segments.size(), 1u);
+  EXPECT_EQ(segments[0].text, expected);
+  EXPECT_EQ(t.render({{"system", "Be brief."}, {"user", "hi"}, {"assistant", "hello"}, {"user", "more"}})[0].text,
+            "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\nhello\n<|user|>\nmore\n<|assistant|>\n");
+  const fs::path demo = kSourceDir / "models/demo/base";
+  if (fs::exists(demo / "tokenizer_config.json")) {
+    EXPECT_EQ(ChatTemplate::from_checkpoint(demo).family(), ChatFamily::kRoleMarkers);
+  }
+}
+
+TEST(ChatTemplate, DetectsKnownFamiliesAndFallsBack) {
+  bool known = false;
+  EXPECT_EQ(ChatTemplate::detect("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n'}}", &known).family(),
+            ChatFamily::kChatML);
+  EXPECT_EQ(ChatTemplate::detect("{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}").family(),
+            ChatFamily::kLlama3);
+  EXPECT_EQ(ChatTemplate::detect("{{ bos_token + '[INST] ' + '<<SYS>>\\n' }}").family(), ChatFamily::kLlama2);
+  EXPECT_EQ(ChatTemplate::detect("{{ bos_token + '[INST] ' + message['content'] + ' [/INST]' }}").family(),
+            ChatFamily::kMistral);
+  EXPECT_EQ(ChatTemplate::detect("{{ something else }}", &known).family(), ChatFamily::kPlain);
+  EXPECT_FALSE(known);
+
+  const std::vector<ChatMessage> msgs = {{"system", "S"}, {"user", "U"}, {"assistant", "A"}, {"user", "V"}};
+  EXPECT_EQ(ChatTemplate(ChatFamily::kChatML).render(msgs)[0].text,
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+            "<|im_start|>user\nV<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(ChatTemplate(ChatFamily::kLlama3).render({{"user", " U "}})[0].text,
+            "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+  const auto llama2 = ChatTemplate(ChatFamily::kLlama2).render(msgs);
+  ASSERT_EQ(llama2.size(), 2u);
+  EXPECT_EQ(llama2[0].text, "[INST] <<SYS>>\nS\n<</SYS>>\n\nU [/INST] A ");
+  EXPECT_TRUE(llama2[0].bos_before && llama2[0].eos_after);
+  EXPECT_EQ(llama2[1].text, "[INST] V [/INST]");
+  EXPECT_TRUE(llama2[1].bos_before && !llama2[1].eos_after);
+  EXPECT_EQ(ChatTemplate(ChatFamily::kMistral).render({{"user", "U"}})[0].text, "[INST] U [/INST]");
+  EXPECT_EQ(ChatTemplate().render({{"user", "U"}})[0].text, "User: U\n\nAssistant:");
+  EXPECT_THROW(ChatTemplate().render({{"tool", "x"}}), Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The request parser, without a server
+
+TEST(Protocol, ValidatesEveryFieldByName) {
+  const Tokenizer tok(family().base);
+  const ChatTemplate role_markers(ChatFamily::kRoleMarkers);
+  const server::ModelInfo info{&tok, "base", 256, &role_markers};
+  const auto parse = [&](const std::string& body, server::Endpoint e = server::Endpoint::kCompletions) {
+    return server::parse_generation(server::parse_body(body), e, info);
+  };
+  const auto message_of = [&](const std::string& body, server::Endpoint e = server::Endpoint::kCompletions) {
+    try {
+      parse(body, e);
+    } catch (const server::ApiError& err) {
+      EXPECT_EQ(err.status, 400) << body;
+      return std::string(err.what());
+    }
+    return std::string("(accepted)");
+  };
+  const auto r = parse(R"({"model": "coder", "prompt": [1, 5, 9], "max_tokens": 7, "temperature": 0, "seed": 3,
+                           "stop": ["a", "b"], "logprobs": 2, "echo": true})");
+  EXPECT_EQ(r.engine.model, "coder");
+  EXPECT_EQ(r.engine.prompt, (std::vector<int32_t>{1, 5, 9}));
+  EXPECT_EQ(r.engine.stop.max_tokens, 7u);
+  EXPECT_EQ(r.engine.top_logprobs, 2u);
+  EXPECT_TRUE(r.engine.prompt_logprobs);
+  EXPECT_EQ(r.engine.stop.stop_strings.size(), 2u);
+  EXPECT_EQ(parse(R"({"prompt": "the dog"})").engine.prompt, tok.encode("the dog", true));
+  EXPECT_EQ(parse(R"({"prompt": "x"})").engine.model, "base");
+  const auto c = parse(R"({"model": "m", "messages": [{"role": "user", "content": "hi"}]})", server::Endpoint::kChat);
+  EXPECT_EQ(c.engine.prompt, tok.encode("<|user|>\nhi\n<|assistant|>\n", true));
+  EXPECT_EQ(c.engine.stop.max_tokens, 256 - c.engine.prompt.size());
+
+  EXPECT_NE(message_of("{not json").find("not valid JSON"), std::string::npos);
+  EXPECT_NE(message_of("[1, 2]").find("JSON object"), std::string::npos);
+  EXPECT_NE(message_of("{\"prompt\": \"\xff\xfe\"}").find("not valid JSON"), std::string::npos);
+  EXPECT_EQ(message_of(R"({"prompt": "x", "temperature": -1})"), "temperature must be >= 0");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "temperature": "hot"})"), "temperature must be a number");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "top_p": 0})"), "top_p must be in (0, 1]");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "max_tokens": -3})"), "max_tokens must be an integer >= 1");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "max_tokens": 1e300})"), "max_tokens must be an integer >= 1");
+  EXPECT_NE(message_of(R"({"prompt": "x", "max_tokens": 99999999999999999999999})").find("max_tokens"), std::string::npos);
+  EXPECT_NE(message_of(R"({"prompt": "x", "max_tokens": 1000})").find("context is 256"), std::string::npos);
+  EXPECT_EQ(message_of(R"({"prompt": "x", "n": 2})"), "n must be 1 (one choice per request)");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "stop": ""})"), "stop must not be an empty string");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "stop": [1]})"), "stop[0] must be a string");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "logprobs": 21})"), "logprobs must be an integer between 0 and 20");
+  EXPECT_EQ(message_of(R"({"prompt": [1, 99999]})"), "prompt[1] (a token id) must be an integer between 0 and 299");
+  EXPECT_EQ(message_of(R"({"prompt": [1, -1]})"), "prompt[1] (a token id) must be an integer between 0 and 299");
+  EXPECT_EQ(message_of(R"({"prompt": []})"), "prompt must not be empty");
+  EXPECT_EQ(message_of(R"({"prompt": ["a", "b"]})"), "prompt: a list of prompts is not supported; send one prompt per request");
+  EXPECT_EQ(message_of(R"({"prompt": 5})"), "prompt must be a string or a list of token ids");
+  EXPECT_EQ(message_of(R"({"model": 5, "prompt": "x"})"), "model must be a string (GET /v1/models lists them)");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "stream": "yes"})"), "stream must be a boolean");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "stream_options": {"include_usage": true}})"),
+            "stream_options is only allowed with stream: true");
+  std::vector<int> long_prompt(300, 5);
+  EXPECT_NE(message_of(json{{"prompt", long_prompt}}.dump()).find("prompt has 300 tokens"), std::string::npos);
+  const auto chat = server::Endpoint::kChat;
+  EXPECT_EQ(message_of(R"({"messages": []})", chat), "messages must not be empty");
+  EXPECT_EQ(message_of(R"({"messages": [{"role": "robot", "content": "x"}]})", chat),
+            "messages[0].role must be system, user or assistant (got 'robot')");
+  EXPECT_EQ(message_of(R"({"messages": [{"role": "user"}]})", chat), "messages[0].content is required");
+  EXPECT_EQ(message_of(R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3})", chat),
+            "top_logprobs requires logprobs: true");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Against a running server
+
+class ServerTest : public ::testing::Test {
+ protected:
+  test::TempDir scratch;
+  int servers = 0;
+  std::unique_ptr<ServerProcess> start(std::vector<std::string> extra = {}) {
+    const auto log = scratch / ("serve" + std::to_string(++servers) + ".log");
+    return std::make_unique<ServerProcess>(family_args(family(), std::move(extra)), log);
+  }
+};
+
+TEST_F(ServerTest, CompletionsAndChatWholeAndStreamed) {
+  auto server = start();
+  auto c = server->client();
+  const json req = {{"model", "coder"}, {"prompt", "the quick brown fox"}, {"max_tokens", 12}, {"temperature", 0},
+                    {"ignore_eos", true}};
+  const auto whole = post(c, "/v1/completions", req);
+  ASSERT_EQ(whole.status, 200) << whole.raw;
+  EXPECT_EQ(whole.body["object"], "text_completion");
+  EXPECT_EQ(whole.body["model"], "coder");
+  EXPECT_EQ(whole.body["choices"][0]["finish_reason"], "length");
+  const Tokenizer tok(family().base);
+  EXPECT_EQ(whole.body["usage"]["prompt_tokens"], tok.encode("the quick brown fox", true).size());
+  EXPECT_EQ(whole.body["usage"]["completion_tokens"], 12);
+  EXPECT_EQ(whole.body["usage"]["total_tokens"], whole.body["usage"]["prompt_tokens"].get<int>() + 12);
+  const std::string text = whole.body["choices"][0]["text"];
+
+  // The same request streamed gives the same text, chunk by chunk, then usage, then [DONE].
+  json sreq = req;
+  sreq["stream"] = true;
+  sreq["stream_options"] = {{"include_usage", true}};
+  const auto streamed = post(c, "/v1/completions", sreq);
+  ASSERT_EQ(streamed.status, 200) << streamed.raw;
+  bool done = false;
+  const auto events = sse_events(streamed.raw, &done);
+  EXPECT_TRUE(done);
+  std::string joined;
+  std::string finish;
+  for (const auto& e : events) {
+    if (e["choices"].empty()) continue;
+    joined += e["choices"][0]["text"].get<std::string>();
+    if (!e["choices"][0]["finish_reason"].is_null()) finish = e["choices"][0]["finish_reason"];
+  }
+  EXPECT_EQ(joined, text);
+  EXPECT_EQ(finish, "length");
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back()["usage"]["completion_tokens"], 12);
+
+  // Chat: the demo template, whole and streamed.
+  const json creq = {{"model", "math"},
+                     {"messages", {{{"role", "system"}, {"content", "Be brief."}}, {{"role", "user"}, {"content", "12+7="}}}},
+                     {"max_tokens", 10}, {"temperature", 0}, {"ignore_eos", true}};
+  const auto chat = post(c, "/v1/chat/completions", creq);
+  ASSERT_EQ(chat.status, 200) << chat.raw;
+  EXPECT_EQ(chat.body["object"], "chat.completion");
+  EXPECT_EQ(chat.body["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(chat.body["usage"]["prompt_tokens"],
+            tok.encode("<|system|>\nBe brief.\n<|user|>\n12+7=\n<|assistant|>\n", true).size());
+  json screq = creq;
+  screq["stream"] = true;
+  const auto schat = post(c, "/v1/chat/completions", screq);
+  ASSERT_EQ(schat.status, 200);
+  const auto cevents = sse_events(schat.raw, &done);
+  EXPECT_TRUE(done);
+  ASSERT_GE(cevents.size(), 2u);
+  EXPECT_EQ(cevents[0]["object"], "chat.completion.chunk");
+  EXPECT_EQ(cevents[0]["choices"][0]["delta"]["role"], "assistant");
+  std::string cjoined;
+  for (const auto& e : cevents)
+    if (e["choices"][0]["delta"].contains("content")) cjoined += e["choices"][0]["delta"]["content"].get<std::string>();
+  EXPECT_EQ(cjoined, chat.body["choices"][0]["message"]["content"]);
+  EXPECT_EQ(cevents.back()["choices"][0]["finish_reason"], "length");
+
+  // A stop string ends the text before it, with finish_reason stop.
+  // (The stop string is an ASCII character of the greedy text, so it cannot split a character.)
+  const size_t at = text.find_first_of("abcdefghijklmnopqrstuvwxyz", 1);
+  if (at != std::string::npos) {
+    json stop_req = req;
+    stop_req["stop"] = text.substr(at, 1);
+    const auto stopped = post(c, "/v1/completions", stop_req);
+    ASSERT_EQ(stopped.status, 200);
+    EXPECT_EQ(stopped.body["choices"][0]["finish_reason"], "stop");
+    EXPECT_EQ(stopped.body["choices"][0]["text"], text.substr(0, text.find(text[at])));
+  }
+  // Seeded sampling repeats.
+  json seeded = req;
+  seeded["temperature"] = 0.9;
+  seeded["seed"] = 42;
+  seeded["top_k"] = 20;
+  EXPECT_EQ(post(c, "/v1/completions", seeded).body["choices"][0]["text"],
+            post(c, "/v1/completions", seeded).body["choices"][0]["text"]);
+  EXPECT_NE(server->log().find("[serve] /v1/completions model=coder status=200"), std::string::npos);
+}
+
+TEST_F(ServerTest, TokenIdPromptLogprobsMatchScore) {
+  auto server = start();
+  auto c = server->client();
+  const std::vector<int32_t> ids = {1, 40, 41, 77, 120, 5, 9, 200, 33};
+  std::string csv;
+  for (size_t i = 0; i < ids.size(); ++i) csv += (i ? "," : "") + std::to_string(ids[i]);
+  for (const std::string model : {"base", "writer"}) {
+    const auto r = post(c, "/v1/completions",
+                        {{"model", model}, {"prompt", ids}, {"max_tokens", 1}, {"temperature", 0}, {"logprobs", 3},
+                         {"echo", true}, {"ignore_eos", true}});
+    ASSERT_EQ(r.status, 200) << r.raw;
+    const auto& lp = r.body["choices"][0]["logprobs"];
+    ASSERT_EQ(lp["token_logprobs"].size(), ids.size() + 1);
+    EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+    EXPECT_EQ(lp["tokens"].size(), ids.size() + 1);
+    EXPECT_EQ(lp["text_offset"].size(), ids.size() + 1);
+    EXPECT_EQ(lp["top_logprobs"][ids.size()].size(), 3u);
+
+    std::string args = "score " + family().base.string() + " --tokens " + csv + " --json";
+    if (model != "base") args += " --delta " + family().delta(model).string();
+    const auto out = test::run_cli(args, scratch.path());
+    ASSERT_EQ(out.exit_code, 0) << out.err;
+    const json score = json::parse(out.out);
+    const auto& expected = score["prompt_logprobs"];
+    ASSERT_EQ(expected.size(), ids.size() - 1);
+    for (size_t i = 0; i + 1 < ids.size(); ++i)
+      EXPECT_NEAR(lp["token_logprobs"][i + 1].get<double>(), expected[i].get<double>(), 1e-4) << model << " token " << i + 1;
+
+    // The generated token: greedy picks the argmax of the last logits; its logprob is log_softmax.
+    std::vector<float> last = score["last_logits"].get<std::vector<float>>();
+    const auto lsm = log_softmax(last);
+    const size_t best = size_t(std::max_element(last.begin(), last.end()) - last.begin());
+    EXPECT_NEAR(lp["token_logprobs"][ids.size()].get<double>(), lsm[best], 1e-4) << model;
+    EXPECT_EQ(r.body["usage"]["prompt_tokens"], ids.size());
+  }
+  // Chat logprobs use the new shape.
+  const auto chat = post(c, "/v1/chat/completions",
+                         {{"model", "legal"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 4},
+                          {"temperature", 0}, {"logprobs", true}, {"top_logprobs", 2}, {"ignore_eos", true}});
+  ASSERT_EQ(chat.status, 200) << chat.raw;
+  const auto& content = chat.body["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 4u);
+  for (const auto& t : content) {
+    EXPECT_TRUE(t["token"].is_string());
+    EXPECT_LE(t["logprob"].get<double>(), 0.0);
+    EXPECT_TRUE(t["bytes"].is_array());
+    EXPECT_EQ(t["top_logprobs"].size(), 2u);
+  }
+}
+
+TEST_F(ServerTest, ModelsListsBaseAndVariants) {
+  auto server = start();
+  auto c = server->client();
+  auto r = c.Get("/v1/models");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200);
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "list");
+  ASSERT_EQ(j["data"].size(), 5u);
+  EXPECT_EQ(j["data"][0]["id"], "base");
+  EXPECT_TRUE(j["data"][0]["parent"].is_null());
+  for (size_t i = 1; i < 5; ++i) {
+    EXPECT_EQ(j["data"][i]["object"], "model");
+    EXPECT_EQ(j["data"][i]["owned_by"], "bitdelta");
+    EXPECT_EQ(j["data"][i]["parent"], "base");
+    EXPECT_TRUE(j["data"][i]["state"].is_string());
+  }
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+}
+
+TEST_F(ServerTest, ErrorsInOpenAIShape) {
+  auto server = start();
+  auto c = server->client();
+  const auto expect_error = [&](const Reply& r, int status, const std::string& fragment) {
+    EXPECT_EQ(r.status, status) << r.raw;
+    ASSERT_TRUE(r.body.is_object()) << r.raw;
+    ASSERT_TRUE(r.body.contains("error")) << r.raw;
+    EXPECT_TRUE(r.body["error"]["message"].is_string());
+    EXPECT_TRUE(r.body["error"]["type"].is_string());
+    EXPECT_NE(r.body["error"]["message"].get<std::string>().find(fragment), std::string::npos) << r.raw;
+  };
+  expect_error(post(c, "/v1/completions", json{{"model", "nope"}, {"prompt", "x"}}), 404, "nope");
+  expect_error(post(c, "/v1/chat/completions", std::string("{\"model\": \"base\", \"messages\": [")), 400, "not valid JSON");
+  expect_error(post(c, "/v1/completions", json{{"model", "base"}, {"prompt", "x"}, {"temperature", -0.5}}), 400,
+               "temperature must be >= 0");
+  expect_error(post(c, "/v1/completions", json{{"prompt", "x"}, {"max_tokens", -1}}), 400, "max_tokens");
+  expect_error(post(c, "/v1/completions", json{{"prompt", "x"}, {"n", 3}}), 400, "n must be 1");
+  expect_error(post(c, "/v1/completions", std::string("{\"prompt\": \"bad \xc3\x28 utf8\"}")), 400, "not valid JSON");
+  expect_error(post(c, "/v1/completions", json{{"prompt", std::vector<int>(400, 7)}}), 400, "context");
+  expect_error(post(c, "/v1/chat/completions", json{{"messages", "hello"}}), 400, "messages");
+  expect_error(post(c, "/v1/nothing-here", json::object()), 404, "no route");
+  // Loading is off without --variants-dir.
+  expect_error(post(c, "/v1/variants/load", json{{"name", "x"}, {"path", "/etc/passwd"}}), 403, "--variants-dir");
+  // Still serving.
+  EXPECT_EQ(post(c, "/v1/completions", json{{"prompt", "x"}, {"max_tokens", 2}}).status, 200);
+}
+
+TEST_F(ServerTest, ApiKeyRequiredOnV1) {
+  auto server = start({"--api-key", "sekrit"});
+  auto c = server->client();
+  const json req = {{"prompt", "x"}, {"max_tokens", 2}};
+  auto none = post(c, "/v1/completions", req);
+  EXPECT_EQ(none.status, 401);
+  EXPECT_EQ(none.body["error"]["type"], "authentication_error");
+  EXPECT_EQ(post(c, "/v1/completions", req, {{"Authorization", "Bearer wrong!"}}).status, 401);
+  EXPECT_EQ(post(c, "/v1/completions", req, {{"Authorization", "Bearer sekrit"}}).status, 200);
+  auto models = c.Get("/v1/models");
+  ASSERT_TRUE(models);
+  EXPECT_EQ(models->status, 401);
+  EXPECT_EQ(c.Get("/health")->status, 200);
+}
+
+TEST_F(ServerTest, DifferentVariantsShareSteps) {
+  auto server = start();
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (const std::string model : {"coder", "math", "writer"})
+    threads.emplace_back([&, model] {
+      auto c = server->client();
+      const auto r = post(c, "/v1/completions",
+                          {{"model", model}, {"prompt", "the lazy dog"}, {"max_tokens", 200}, {"temperature", 0},
+                           {"ignore_eos", true}, {"stream", true}});
+      if (r.status == 200) ++ok;
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok, 3);
+  auto c = server->client();
+  const auto page = metrics(c);
+  EXPECT_GT(metric(page, "bitdelta_mixed_variant_steps_total"), 0) << page;
+  EXPECT_GE(metric(page, "bitdelta_max_variants_in_step"), 2);
+  EXPECT_EQ(metric(page, "bitdelta_requests_total", "variant=\"math\""), 1);
+  EXPECT_EQ(metric(page, "bitdelta_completion_tokens_total", "variant=\"writer\""), 200);
+  EXPECT_EQ(metric(page, "bitdelta_time_to_first_token_seconds_count", "variant=\"coder\""), 1);
+  EXPECT_EQ(metric(page, "bitdelta_running_sequences"), 0);
+}
+
+TEST_F(ServerTest, ConcurrentRequestsToColdVariantLoadOnce) {
+  auto server = start();
+  auto c = server->client();
+  const double before = metric(metrics(c), "bitdelta_delta_cache_loads_total");
+  EXPECT_EQ(variant_state(c, "legal"), "cold");
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 20; ++i)
+    threads.emplace_back([&, i] {
+      auto cc = server->client();
+      const auto r = post(cc, "/v1/completions",
+                          {{"model", "legal"}, {"prompt", "license " + std::to_string(i)}, {"max_tokens", 4},
+                           {"temperature", 0}, {"ignore_eos", true}});
+      if (r.status == 200) ++ok;
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok, 20);
+  const auto page = metrics(c);
+  EXPECT_EQ(metric(page, "bitdelta_delta_cache_loads_total") - before, 1) << page;
+  EXPECT_EQ(metric(page, "bitdelta_requests_total", "variant=\"legal\""), 20);
+  EXPECT_EQ(variant_state(c, "legal"), "resident");
+}
+
+TEST_F(ServerTest, BudgetOfTwoDeltasEvictsButKeepsPinned) {
+  // One delta's resident size, measured by a server without a budget.
+  uint64_t one = 0;
+  {
+    auto probe = start();
+    auto c = probe->client();
+    ASSERT_EQ(post(c, "/v1/completions", json{{"model", "math"}, {"prompt", "x"}, {"max_tokens", 1}}).status, 200);
+    const json models = json::parse(c.Get("/v1/models")->body);
+    for (const auto& m : models["data"])
+      if (m["id"] == "math") one = m.value("bytes", uint64_t(0));
+    ASSERT_GT(one, 0u);
+  }
+  auto server = start({"--delta-cache-bytes", std::to_string(one * 2 + one / 2), "--pin", "coder"});
+  auto c = server->client();
+  const auto ask = [&](const std::string& model) {
+    return post(c, "/v1/completions", json{{"model", model}, {"prompt", "x"}, {"max_tokens", 1}}).status;
+  };
+  ASSERT_EQ(ask("coder"), 200);
+  for (const std::string m : {"math", "writer", "legal", "math", "writer"}) {
+    ASSERT_EQ(ask(m), 200) << m;
+    EXPECT_EQ(variant_state(c, "coder"), "resident") << "pinned coder after " << m;
+    int resident = 0;
+    const json models = json::parse(c.Get("/v1/models")->body);
+    for (const auto& v : models["data"]) resident += v["state"] == "resident";
+    EXPECT_LE(resident, 2) << "after " << m;
+  }
+  const auto page = metrics(c);
+  EXPECT_GE(metric(page, "bitdelta_delta_cache_evictions_total"), 3) << page;
+  EXPECT_LE(metric(page, "bitdelta_delta_cache_resident_bytes"), double(one * 2 + one / 2));
+  EXPECT_EQ(metric(page, "bitdelta_delta_cache_budget_bytes"), double(one * 2 + one / 2));
+}
+
+TEST_F(ServerTest, CorruptDeltaFailsOnlyItsOwnRequestsAndIsRetried) {
+  const fs::path broken = scratch / "broken.bitdelta";
+  {
+    const std::string good = test::read_file(family().delta("writer"));
+    std::ofstream(broken, std::ios::binary) << good.substr(0, good.size() / 2);
+  }
+  auto server = start({"--variant", "broken=" + broken.string()});
+  auto c = server->client();
+  const json req = {{"model", "broken"}, {"prompt", "x"}, {"max_tokens", 2}};
+  const auto bad = post(c, "/v1/completions", req);
+  EXPECT_GE(bad.status, 500) << bad.raw;
+  ASSERT_TRUE(bad.body.contains("error")) << bad.raw;
+  EXPECT_NE(bad.body["error"]["message"].get<std::string>().find("broken"), std::string::npos) << bad.raw;
+  json sreq = req;
+  sreq["stream"] = true;
+  EXPECT_GE(post(c, "/v1/completions", sreq).status, 500);
+  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "coder"}, {"prompt", "x"}, {"max_tokens", 2}}).status, 200);
+  EXPECT_EQ(variant_state(c, "broken"), "failed");
+  // Repaired on disk: the next request tries again and succeeds.
+  fs::copy_file(family().delta("writer"), broken, fs::copy_options::overwrite_existing);
+  const auto good = post(c, "/v1/completions", req);
+  EXPECT_EQ(good.status, 200) << good.raw;
+  EXPECT_GE(metric(metrics(c), "bitdelta_delta_cache_load_failures_total"), 1);
+}
+
+// A raw socket: send a streaming request, read a little, hang up.
+void stream_and_hang_up(int port, const std::string& body) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(uint16_t(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                              "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(::send(fd, request.data(), request.size(), 0), ssize_t(request.size()));
+  std::string got;
+  char buf[4096];
+  while (got.find("data: ") == std::string::npos) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    got.append(buf, size_t(n));
+  }
+  EXPECT_NE(got.find("200"), std::string::npos) << got;
+  ::close(fd);
+}
+
+TEST_F(ServerTest, ClientDisconnectMidStreamFreesItsSlot) {
+  auto server = start();
+  auto c = server->client();
+  const json body = {{"model", "coder"}, {"prompt", "the"}, {"max_tokens", 250}, {"temperature", 0},
+                     {"ignore_eos", true}, {"stream", true}};
+  stream_and_hang_up(server->port(), body.dump());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  double running = -1;
+  while (std::chrono::steady_clock::now() < deadline) {
+    running = metric(metrics(c), "bitdelta_running_sequences");
+    if (running == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(running, 0);
+  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "coder"}, {"prompt", "x"}, {"max_tokens", 2}}).status, 200);
+  EXPECT_NE(server->log().find("cancelled: client disconnected"), std::string::npos) << server->log();
+}
+
+TEST_F(ServerTest, ThousandMalformedRequestsLeaveItServing) {
+  auto server = start();
+  auto c = server->client();
+  const std::vector<std::string> garbage = {
+      "", "{", "}", "null", "[]", "\"str\"", "{\"prompt\":}", "{\"prompt\": 1e999}", "{\"prompt\": [1, 2, 3e40]}",
+      "{\"prompt\": \"x\", \"max_tokens\": 18446744073709551616}", "{\"prompt\": \"x\", \"temperature\": NaN}",
+      "{\"prompt\": \"x\", \"stop\": [[]]}", "{\"prompt\": {\"a\": 1}}", "{\"messages\": [{\"role\": null}]}",
+      std::string("{\"prompt\": \"\xff\"}"), std::string(1, '\0'), "{\"prompt\": \"x\", \"logprobs\": -1}",
+      "{\"prompt\": [[1, 2], [3]]}", "{\"prompt\": \"x\", \"top_k\": -7}", "{\"prompt\": \"x\", \"seed\": \"s\"}"};
+  int failed = 0;
+  for (int i = 0; i < 1000; ++i) {
+    const std::string& body = garbage[size_t(i) % garbage.size()];
+    const std::string path = i % 2 ? "/v1/completions" : "/v1/chat/completions";
+    const auto r = post(c, path, body);
+    if (r.status != 400) ++failed;
+  }
+  EXPECT_EQ(failed, 0);
+  const auto ok = post(c, "/v1/completions", json{{"prompt", "the"}, {"max_tokens", 3}});
+  EXPECT_EQ(ok.status, 200) << ok.raw;
+  EXPECT_EQ(c.Get("/health")->status, 200);
+}
+
+TEST_F(ServerTest, LoadAndUnloadOnlyInsideVariantsDir) {
+  const fs::path vdir = scratch / "vdir";
+  fs::create_directories(vdir / "sub");
+  fs::copy_file(family().delta("math"), vdir / "sub" / "extra.bitdelta");
+  fs::copy_file(family().delta("math"), scratch / "outside.bitdelta");
+  fs::create_symlink(scratch / "outside.bitdelta", vdir / "escape.bitdelta");
+  auto server = start({"--variants-dir", vdir.string()});
+  auto c = server->client();
+  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "x1"}, {"path", "../outside.bitdelta"}}).status, 403);
+  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "x2"}, {"path", (scratch / "outside.bitdelta").string()}}).status, 403);
+  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "x3"}, {"path", "escape.bitdelta"}}).status, 403);
+  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "x4"}, {"path", "missing.bitdelta"}}).status, 400);
+  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "bad name!"}, {"path", "sub/extra.bitdelta"}}).status, 400);
+  const auto loaded = post(c, "/v1/variants/load", json{{"name", "extra"}, {"path", "sub/extra.bitdelta"}});
+  ASSERT_EQ(loaded.status, 200) << loaded.raw;
+  EXPECT_EQ(loaded.body["id"], "extra");
+  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "extra"}, {"path", "sub/extra.bitdelta"}}).status, 409);
+  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "extra"}, {"prompt", "x"}, {"max_tokens", 2}}).status, 200);
+  EXPECT_EQ(post(c, "/v1/variants/unload", json{{"name", "extra"}}).status, 200);
+  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "extra"}, {"prompt", "x"}, {"max_tokens", 2}}).status, 404);
+  EXPECT_EQ(post(c, "/v1/variants/unload", json{{"name", "extra"}}).status, 404);
+  EXPECT_EQ(post(c, "/v1/variants/unload", json{{"name", "base"}}).status, 400);
+}
+
+TEST_F(ServerTest, SigtermShutsDownCleanly) {
+  auto server = start();
+  EXPECT_EQ(server->stop(), 0);
+  EXPECT_NE(server->log().find("[serve] stopped"), std::string::npos) << server->log();
+}
+
+// The official `openai` npm package against the server (tests/node/openai_client.mjs). ctest's
+// node_openai_install installs it first; without it (no npm registry) the test is skipped.
+TEST_F(ServerTest, OfficialOpenAINodeClient) {
+  const fs::path node_dir = kSourceDir / "tests/node";
+  if (!fs::exists(node_dir / "node_modules/openai/package.json"))
+    GTEST_SKIP() << "run: npm install --prefix tests/node";
+  auto server = start({"--api-key", "node-key"});
+  const auto out = test::run_command("node " + (node_dir / "openai_client.mjs").string() + " http://127.0.0.1:" +
+                                         std::to_string(server->port()) + "/v1 node-key",
+                                     scratch.path());
+  EXPECT_EQ(out.exit_code, 0) << out.out << out.err << server->log();
+  EXPECT_NE(out.out.find("openai client: all checks passed"), std::string::npos) << out.out << out.err;
+}
+
+}  // namespace
+}  // namespace bitdelta
