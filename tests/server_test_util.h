@@ -7,6 +7,7 @@
 #include <httplib.h>
 #include <signal.h>
 #include <sentencepiece_trainer.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -123,6 +124,7 @@ class ServerProcess {
     argv.push_back("0");
     pid_ = ::fork();
     if (pid_ == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive a test process that crashed
       const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       ::dup2(fd, 1);
       ::dup2(fd, 2);
@@ -132,6 +134,17 @@ class ServerProcess {
       ::execv(cargv[0], cargv.data());
       ::_exit(127);
     }
+    try {
+      wait_ready();
+    } catch (...) {
+      stop();  // a constructor that throws gets no destructor: do not leave the child running
+      throw;
+    }
+  }
+  ~ServerProcess() { stop(); }
+
+ private:
+  void wait_ready() {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     const std::regex listening(R"(listening on http://[^:]+:(\d+))");
     while (std::chrono::steady_clock::now() < deadline) {
@@ -156,8 +169,8 @@ class ServerProcess {
     }
     throw std::runtime_error("bitdelta serve does not answer /health:\n" + read_file(log_));
   }
-  ~ServerProcess() { stop(); }
 
+ public:
   // SIGTERM and wait; returns the exit status (-1 if it had to be killed).
   int stop() {
     if (pid_ <= 0) return exit_status_;

@@ -359,6 +359,24 @@ TEST_F(ServerTest, TokenIdPromptLogprobsMatchScore) {
     EXPECT_NEAR(lp["token_logprobs"][ids.size()].get<double>(), lsm[best], 1e-4) << model;
     EXPECT_EQ(r.body["usage"]["prompt_tokens"], ids.size());
   }
+  // Streamed with echo: the first chunk is the prompt with its logprobs, then the generated tokens.
+  const auto streamed = post(c, "/v1/completions",
+                             {{"model", "base"}, {"prompt", ids}, {"max_tokens", 3}, {"temperature", 0}, {"logprobs", 1},
+                              {"echo", true}, {"ignore_eos", true}, {"stream", true}});
+  ASSERT_EQ(streamed.status, 200) << streamed.raw;
+  bool done = false;
+  const auto events = sse_events(streamed.raw, &done);
+  ASSERT_TRUE(done);
+  ASSERT_FALSE(events.empty());
+  const Tokenizer tok(family().base);
+  EXPECT_EQ(events[0]["choices"][0]["text"], tok.decode(ids));
+  EXPECT_EQ(events[0]["choices"][0]["logprobs"]["tokens"].size(), ids.size());
+  size_t generated = 0;
+  for (size_t i = 1; i < events.size(); ++i)
+    if (events[i]["choices"][0]["logprobs"].is_object())
+      generated += events[i]["choices"][0]["logprobs"]["tokens"].size();
+  EXPECT_EQ(generated, 3u);
+
   // Chat logprobs use the new shape.
   const auto chat = post(c, "/v1/chat/completions",
                          {{"model", "legal"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 4},
@@ -468,17 +486,16 @@ TEST_F(ServerTest, ConcurrentRequestsToColdVariantLoadOnce) {
   const double before = metric(metrics(c), "bitdelta_delta_cache_loads_total");
   EXPECT_EQ(variant_state(c, "legal"), "cold");
   std::vector<std::thread> threads;
-  std::atomic<int> ok{0};
+  std::vector<Reply> replies(20);
   for (int i = 0; i < 20; ++i)
     threads.emplace_back([&, i] {
       auto cc = server->client();
-      const auto r = post(cc, "/v1/completions",
-                          {{"model", "legal"}, {"prompt", "license " + std::to_string(i)}, {"max_tokens", 4},
-                           {"temperature", 0}, {"ignore_eos", true}});
-      if (r.status == 200) ++ok;
+      replies[size_t(i)] = post(cc, "/v1/completions",
+                                {{"model", "legal"}, {"prompt", "license " + std::to_string(i)}, {"max_tokens", 4},
+                                 {"temperature", 0}, {"ignore_eos", true}});
     });
   for (auto& t : threads) t.join();
-  EXPECT_EQ(ok, 20);
+  for (const auto& r : replies) EXPECT_EQ(r.status, 200) << r.raw;
   const auto page = metrics(c);
   EXPECT_EQ(metric(page, "bitdelta_delta_cache_loads_total") - before, 1) << page;
   EXPECT_EQ(metric(page, "bitdelta_requests_total", "variant=\"legal\""), 20);
@@ -626,6 +643,37 @@ TEST_F(ServerTest, LoadAndUnloadOnlyInsideVariantsDir) {
   EXPECT_EQ(post(c, "/v1/completions", json{{"model", "extra"}, {"prompt", "x"}, {"max_tokens", 2}}).status, 404);
   EXPECT_EQ(post(c, "/v1/variants/unload", json{{"name", "extra"}}).status, 404);
   EXPECT_EQ(post(c, "/v1/variants/unload", json{{"name", "base"}}).status, 400);
+}
+
+TEST_F(ServerTest, ConfigFileWithFineTuneDirectoryAndPins) {
+  const TinyFamily& f = family();
+  const fs::path config = scratch / "serve.json";
+  test::write_text(config, json{{"base", f.base.string()},
+                                {"cache_dir", (scratch / "cache").string()},
+                                {"max_running", 4},
+                                {"variants", {{{"name", "coder"}, {"path", f.delta("coder").string()}, {"pinned", true}},
+                                              {{"name", "tuned"}, {"path", (f.dir / "finetunes" / "math").string()}}}}}
+                                   .dump());
+  ServerProcess server({"--config", config.string()}, scratch / "config.log");
+  EXPECT_TRUE(fs::exists(scratch / "cache" / "tuned.bitdelta")) << server.log();
+  auto c = server.client();
+  const json models = json::parse(c.Get("/v1/models")->body);
+  ASSERT_EQ(models["data"].size(), 3u);
+  for (const auto& m : models["data"]) {
+    if (m["id"] == "coder") {
+      EXPECT_TRUE(m["pinned"].get<bool>());
+    }
+  }
+  // The fine-tune compressed on start answers like its delta file.
+  const json req = {{"prompt", "the sea"}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}};
+  json a = req, b = req;
+  a["model"] = "tuned";
+  const auto tuned = post(c, "/v1/completions", a);
+  ASSERT_EQ(tuned.status, 200) << tuned.raw;
+  ServerProcess plain(family_args(f), scratch / "plain.log");
+  auto pc = plain.client();
+  b["model"] = "math";
+  EXPECT_EQ(post(pc, "/v1/completions", b).body["choices"][0]["text"], tuned.body["choices"][0]["text"]);
 }
 
 TEST_F(ServerTest, SigtermShutsDownCleanly) {

@@ -310,9 +310,12 @@ void run_bench(const BenchArgs& a) {
   std::vector<Outcome> outcomes(plan.size());
   std::atomic<size_t> finished{0};
 
-  std::printf("bench serve: %zu requests to %s (%s), %s, concurrency %s, mix %s\n", a.num_requests, a.url.c_str(),
-              a.endpoint.c_str(), a.rate > 0 ? (std::to_string(a.rate) + " req/s Poisson").c_str() : "all at once",
-              a.concurrency ? std::to_string(a.concurrency).c_str() : "unlimited", a.variants.c_str());
+  char arrivals[64] = "all at once";
+  if (a.rate > 0) std::snprintf(arrivals, sizeof arrivals, "Poisson arrivals at %.2f req/s", a.rate);
+  std::printf("bench serve: %zu requests to %s (%s), %s, concurrency %s, mix %s, %zu-word prompts, %zu tokens out\n",
+              a.num_requests, a.url.c_str(), a.endpoint.c_str(), arrivals,
+              a.concurrency ? std::to_string(a.concurrency).c_str() : "unlimited", a.variants.c_str(),
+              a.prompts_file.empty() ? a.input_len : 0, a.output_len);
   const auto start = Clock::now();
   std::vector<std::thread> pool;
   for (size_t w = 0; w < workers; ++w)

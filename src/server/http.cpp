@@ -2,6 +2,8 @@
 // for everything the handlers do not answer (unknown routes, oversized bodies, exceptions).
 #include <httplib.h>
 
+#include <sys/socket.h>
+
 #include <cstdio>
 #include <random>
 
@@ -13,9 +15,24 @@ namespace bitdelta {
 
 using server::Context;
 
+namespace {
+
+// httplib listens with a backlog of 5: a burst of clients connecting at once overflows it and some
+// see their connection reset. Listening again on the bound socket raises the backlog (Linux allows
+// it); the socket is only reachable from a subclass.
+class HttpServer : public httplib::Server {
+ public:
+  void raise_backlog() {
+    const auto sock = svr_sock_.load();
+    if (sock != INVALID_SOCKET) ::listen(sock, SOMAXCONN);
+  }
+};
+
+}  // namespace
+
 struct Server::Impl {
   Context ctx;
-  httplib::Server http;
+  HttpServer http;
   bool bound = false;
 
   Impl(Engine& engine, ServerOptions options) : ctx(engine, std::move(options)) {}
@@ -138,6 +155,7 @@ int Server::bind() {
   } else if (!impl_->http.bind_to_port(o.host, o.port)) {
     fail("cannot listen on ", o.host, ":", o.port, " (in use, or not an address of this machine)");
   }
+  impl_->http.raise_backlog();
   impl_->bound = true;
   return port;
 }

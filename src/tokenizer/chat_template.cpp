@@ -49,9 +49,15 @@ std::vector<ChatSegment> render_inst(const std::vector<ChatMessage>& messages, b
       }
       out.push_back({"[INST] " + (llama2 ? trim(content) : content) + " [/INST]", true, false});
     } else {
-      const std::string text = llama2 ? " " + trim(m.content) + " " : m.content;
       if (out.empty()) out.push_back({"", true, false});
-      out.back().text += text;
+      std::string& text = out.back().text;
+      if (llama2) {
+        text += ' ';
+        text += trim(m.content);
+        text += ' ';
+      } else {
+        text += m.content;
+      }
       out.back().eos_after = true;
     }
   }
