@@ -502,6 +502,31 @@ TEST_F(ServerTest, ConcurrentRequestsToColdVariantLoadOnce) {
   EXPECT_EQ(variant_state(c, "legal"), "resident");
 }
 
+TEST_F(ServerTest, FullQueueAnswers429) {
+  auto server = start({"--max-running", "1", "--max-queue", "1"});
+  std::vector<std::thread> threads;
+  std::vector<Reply> replies(12);
+  for (size_t i = 0; i < replies.size(); ++i)
+    threads.emplace_back([&, i] {
+      auto c = server->client();
+      replies[i] = post(c, "/v1/completions",
+                        {{"model", "coder"}, {"prompt", "the"}, {"max_tokens", 250}, {"ignore_eos", true}, {"seed", i}});
+    });
+  for (auto& t : threads) t.join();
+  int ok = 0, full = 0;
+  for (const auto& r : replies) {
+    if (r.status == 200) ++ok;
+    if (r.status == 429) {
+      ++full;
+      EXPECT_EQ(r.body["error"]["type"], "rate_limit_error") << r.raw;
+      EXPECT_EQ(r.body["error"]["code"], "queue_full") << r.raw;
+    }
+  }
+  EXPECT_EQ(ok + full, 12);
+  EXPECT_GE(ok, 1);
+  EXPECT_GE(full, 1);
+}
+
 TEST_F(ServerTest, BudgetOfTwoDeltasEvictsButKeepsPinned) {
   // One delta's resident size, measured by a server without a budget.
   uint64_t one = 0;
