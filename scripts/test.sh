@@ -9,4 +9,4 @@ command -v ninja >/dev/null && gen=(-G Ninja)
 rm -rf build-test
 cmake -S . -B build-test "${gen[@]}" -DCMAKE_BUILD_TYPE=Release
 cmake --build build-test -j "$jobs"
-ctest --test-dir build-test -j "$jobs" --output-on-failure
+ctest --test-dir build-test -j "$jobs" --output-on-failure -LE gpu

@@ -1,0 +1,274 @@
+// Benchmark of the CUDA fused BitDelta linear against cuBLAS and the byte roofline (issue 6, part
+// 1). Cases per shape N×K (bf16 weights):
+//   (a) 1 row, 1 variant: fused decode kernel vs cuBLAS base-only GEMV (cublasGemmEx, n = 1)
+//   (b) 16 rows from 16 distinct variants vs the byte roofline (2NK + 16·NK/8 bytes ÷ copy
+//   bandwidth) (c) 512 rows, 1 variant: prefill methods vs cuBLAS base-only GEMM
+// Timing: CUDA events around each call, warm-up, median of many reps; every rep uses the next of
+// several weight/sign buffer sets so that the 60 MB L2 never serves them; data random (never
+// zeros). The device-to-device copy bandwidth (read + write) is measured in the same run: the
+// roofline.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/fused_linear_decode.cuh"
+#include "backend/cuda/fused_linear_prefill.cuh"
+
+namespace {
+
+using bitdelta::DeltaRef;
+namespace bcuda = bitdelta::cuda;
+using bf16 = __nv_bfloat16;
+
+struct DeviceMem {
+  void* ptr = nullptr;
+  explicit DeviceMem(size_t bytes) { BITDELTA_CUDA_CHECK(cudaMalloc(&ptr, bytes)); }
+  ~DeviceMem() { cudaFree(ptr); }
+  DeviceMem(const DeviceMem&) = delete;
+  DeviceMem& operator=(const DeviceMem&) = delete;
+};
+
+// Fills device memory from a random host pattern of 64 MiB (random bf16 of U(-1,1)·scale, or
+// bytes).
+class RandomFill {
+ public:
+  RandomFill() : bf16_((32u << 20) + 64), bytes_((64u << 20) + 128) {
+    std::mt19937 rng(12345);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (auto& v : bf16_) v = __float2bfloat16(u(rng));
+    for (auto& b : bytes_) b = uint8_t(rng());
+  }
+  void fill(void* dst, size_t bytes, bool as_bf16) const {
+    const uint8_t* src = as_bf16 ? reinterpret_cast<const uint8_t*>(bf16_.data()) : bytes_.data();
+    const size_t chunk = 64u << 20;
+    for (size_t off = 0; off < bytes; off += chunk)
+      BITDELTA_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(dst) + off, src + (off / chunk % 7) * 16,
+                                     std::min(chunk, bytes - off), cudaMemcpyHostToDevice));
+  }
+
+ private:
+  std::vector<bf16> bf16_;
+  std::vector<uint8_t> bytes_;
+};
+
+// Median time in µs of fn(rep) over reps (after warm-up), each timed with events.
+double time_us(const std::function<void(int)>& fn, int reps, int warmup = 3) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<cudaEvent_t> ev(2 * reps);
+  for (auto& e : ev) BITDELTA_CUDA_CHECK(cudaEventCreate(&e));
+  for (int i = 0; i < reps; ++i) {
+    BITDELTA_CUDA_CHECK(cudaEventRecord(ev[2 * i], nullptr));
+    fn(warmup + i);
+    BITDELTA_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], nullptr));
+  }
+  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<double> t(reps);
+  for (int i = 0; i < reps; ++i) {
+    float ms;
+    BITDELTA_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    t[i] = ms * 1e3;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(t.begin(), t.end());
+  return t[reps / 2];
+}
+
+struct Row {
+  std::string shape, kase, version;
+  double us, bytes, ref_us;  // ref_us: cuBLAS time (ratio) or roofline time (fraction)
+  const char* ref_name;
+};
+
+std::vector<Row> table;
+double copy_bw = 0;  // bytes/s
+
+void print_row(const Row& r) {
+  std::printf("%-12s %-22s %-26s %10.2f %10.1f %8.0f %7.3f %7.3f %s\n", r.shape.c_str(),
+              r.kase.c_str(), r.version.c_str(), r.us, r.bytes / 1e6, r.bytes / r.us / 1e3,
+              (r.bytes / copy_bw * 1e6) / r.us, r.ref_us > 0 ? r.us / r.ref_us : 0.0, r.ref_name);
+  std::fflush(stdout);
+}
+
+void add(Row r) {
+  print_row(r);
+  table.push_back(std::move(r));
+}
+
+// profile_only: cases (a) and (b) only, few reps (for ncu).
+void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
+                 bool profile_only = false) {
+  const size_t wbytes = size_t(N) * K * 2, sbytes = size_t(N) * ((K + 7) / 8);
+  const int nsets = int(std::max<size_t>(2, (240u << 20) / wbytes + 1));  // > 4× L2 per rotation
+  const int kVariants = 16, kPrefillRows = 512;
+  std::vector<std::unique_ptr<DeviceMem>> w, signs, alpha;
+  for (int s = 0; s < nsets; ++s) {
+    w.push_back(std::make_unique<DeviceMem>(wbytes));
+    rnd.fill(w.back()->ptr, wbytes, true);
+    for (int v = 0; v < kVariants; ++v) {
+      signs.push_back(std::make_unique<DeviceMem>(sbytes));
+      rnd.fill(signs.back()->ptr, sbytes, false);
+      alpha.push_back(std::make_unique<DeviceMem>(size_t(N) * 4));
+      std::vector<float> a(N);
+      std::mt19937 rng(s * 100 + v);
+      for (auto& x : a) x = 0.001f + 0.002f * float(rng() % 1000) / 1000.0f;
+      BITDELTA_CUDA_CHECK(
+          cudaMemcpy(alpha.back()->ptr, a.data(), a.size() * 4, cudaMemcpyHostToDevice));
+    }
+  }
+  DeviceMem x(size_t(kPrefillRows) * K * 2), y(size_t(kPrefillRows) * N * 4);
+  rnd.fill(x.ptr, size_t(kPrefillRows) * K * 2, true);
+  auto W = [&](int s) { return static_cast<const bf16*>(w[s % nsets]->ptr); };
+  auto delta = [&](int s, int v) {
+    const int i = (s % nsets) * kVariants + v;
+    return DeltaRef{static_cast<const uint8_t*>(signs[i]->ptr),
+                    static_cast<const float*>(alpha[i]->ptr), true};
+  };
+  const auto* X = static_cast<const bf16*>(x.ptr);
+  float* Y = static_cast<float*>(y.ptr);
+  const std::string shape = std::to_string(N) + "x" + std::to_string(K);
+  const int reps = profile_only ? 1 : wbytes > (200u << 20) ? 30 : 100;
+  const float one = 1.0f, zero = 0.0f;
+  auto cublas_rows = [&](int rows, int s) {
+    BITDELTA_CUBLAS_CHECK(cublasGemmEx(prefill.handle(), CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &one,
+                                       W(s), CUDA_R_16BF, K, X, CUDA_R_16BF, K, &zero, Y,
+                                       CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  };
+
+  // (a) one row, one variant.
+  {
+    const double t_cublas = time_us([&](int s) { cublas_rows(1, s); }, reps);
+    add({shape, "a: 1 row base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
+    const double bytes = double(wbytes + sbytes) + N * 4.0;
+    for (int ks : {0, 2, 4, 8}) {
+      const double t = time_us(
+          [&](int s) {
+            const DeltaRef d = delta(s, 0);
+            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {ks});
+          },
+          reps);
+      add({shape, "a: 1 row 1 variant",
+           "fused ks=" + std::to_string(ks ? ks : bcuda::decode_default_k_split(N)) +
+               (ks ? "" : " (default)"),
+           t, bytes, t_cublas, "x cuBLAS"});
+    }
+    const DeltaRef none{};
+    const double t_base = time_us(
+        [&](int s) {
+          bcuda::fused_linear_decode(W(s), N, K, X, 1, {&none, 1}, Y, nullptr);
+        },
+        reps);
+    add({shape, "a: 1 row base", "fused kernel, no delta", t_base, double(wbytes), t_cublas,
+         "x cuBLAS"});
+  }
+  // (b) 16 rows from 16 distinct variants.
+  {
+    const double bytes = double(wbytes) + kVariants * (double(sbytes) + N * 4.0);
+    const double roof = bytes / copy_bw * 1e6;
+    add({shape, "b: roofline", "bytes / copy bandwidth", roof, bytes, 0, ""});
+    const double t_cublas = time_us([&](int s) { cublas_rows(16, s); }, reps);
+    add({shape, "b: 16 rows base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
+    // 16 slots take all 8 warps of a tile (2 slots each), so k_split is 1 whatever is asked.
+    {
+      const double t = time_us(
+          [&](int s) {
+            DeltaRef d[kVariants];
+            for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v);
+            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr);
+          },
+          reps);
+      add({shape, "b: 16 rows 16 variants", "fused", t, bytes, roof, "x roofline"});
+    }
+    if (profile_only) return;
+  }
+  // (c) 512 rows, one variant.
+  {
+    const int preps = wbytes > (200u << 20) ? 20 : 50;
+    const double t_cublas = time_us([&](int s) { cublas_rows(kPrefillRows, s); }, preps);
+    const double flops = 2.0 * kPrefillRows * N * K;
+    add({shape, "c: 512 rows base",
+         "cuBLAS GemmEx " + std::to_string(int(flops / t_cublas / 1e6)) + " TF/s", t_cublas,
+         double(wbytes), 0, ""});
+    const double bytes = double(wbytes + sbytes);
+    using M = bcuda::PrefillMethod;
+    struct Config {
+      M method;
+      const char* name;
+      int chunk, expand_blocks;
+    };
+    const Config configs[] = {{M::kTwoGemms, "two GEMMs", 8192, 0},
+                              {M::kMaterialize, "materialize", 4096, 0},
+                              {M::kMaterialize, "materialize", 8192, 0},
+                              {M::kPipelined, "pipelined", 2048, 0},
+                              {M::kPipelined, "pipelined", 4096, 0}};
+    for (const Config& c : configs) {
+      if (c.chunk > N && c.chunk != 8192) continue;
+      const double t = time_us(
+          [&](int s) {
+            prefill.run(c.method, W(s), N, K, X, kPrefillRows, delta(s, 0), Y, c.chunk,
+                        c.expand_blocks);
+          },
+          preps);
+      add({shape, "c: 512 rows 1 variant",
+           std::string(c.name) + " chunk " + std::to_string(std::min(c.chunk, N)) +
+               (c.expand_blocks ? " eb " + std::to_string(c.expand_blocks) : ""),
+           t, bytes, t_cublas, "x cuBLAS"});
+    }
+  }
+  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    cudaDeviceProp prop{};
+    BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
+                prop.l2CacheSize >> 20);
+    RandomFill rnd;
+    {  // Roofline: device-to-device copy of 2 GiB, counting bytes read + written.
+      const size_t bytes = size_t(2) << 30;
+      DeviceMem a(bytes), b(bytes);
+      rnd.fill(a.ptr, bytes, false);
+      const double t = time_us(
+          [&](int) {
+            BITDELTA_CUDA_CHECK(
+                cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice, nullptr));
+          },
+          20);
+      copy_bw = 2.0 * bytes / (t * 1e-6);
+      std::printf(
+          "device-to-device copy: %.0f µs for 2 x %zu bytes = %.0f GB/s (the roofline below)\n\n",
+          t, bytes, copy_bw / 1e9);
+    }
+    std::printf("%-12s %-22s %-26s %10s %10s %8s %7s %7s\n", "shape", "case", "version", "time_us",
+                "MB", "GB/s", "roof/t", "ratio");
+    bcuda::PrefillLinear prefill(nullptr, size_t(8192) * 11008);
+    std::vector<std::pair<int, int>> shapes = {
+        {4096, 4096}, {11008, 4096}, {4096, 11008}, {8192, 8192}, {28672, 8192}};
+    const std::string mode = argc > 1 ? argv[1] : "";
+    if (mode == "--profile") return bench_shape(rnd, prefill, 8192, 8192, true), 0;
+    if (mode == "--quick") shapes.resize(1);
+    for (auto [N, K] : shapes) bench_shape(rnd, prefill, N, K);
+    std::printf(
+        "\ncolumns: time = median µs; MB = bytes the op must move; GB/s = MB/time; roof/t = (bytes "
+        "/ copy "
+        "bandwidth) / time, the fraction of the byte roofline; ratio = time / (cuBLAS or roofline "
+        "time)\n");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_fused_linear: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

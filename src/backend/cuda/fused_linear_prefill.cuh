@@ -1,0 +1,62 @@
+// The BitDelta linear for prefill: many rows of one variant. Compute-bound (2·rows·N·K flops), so
+// the base GEMM belongs to cuBLAS; the question is how the delta joins it. Methods, chosen by
+// measurement (bench/cuda/NOTES.md):
+//   kBaseOnly     cuBLAS on the base alone (the baseline, no delta)
+//   kTwoGemms     Y = X·Wᵀ, then Y += X·(α⊙S)ᵀ with α⊙S expanded to bf16 chunk by chunk (twice the
+//   flops) kMaterialize  per chunk of output rows: W_eff = bf16(W + α⊙S) into scratch, then one
+//   GEMM on it kPipelined    kMaterialize with the expansion of chunk i+1 on a second stream,
+//   overlapping the
+//                 (compute-bound) GEMM of chunk i; two scratch buffers
+// W_eff exists only as a scratch chunk in bf16 (rounding it to bf16 costs ≤ 2⁻⁹ relative per
+// weight).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "bitdelta/delta_ref.h"
+
+namespace bitdelta::cuda {
+
+enum class PrefillMethod { kBaseOnly, kTwoGemms, kMaterialize, kPipelined };
+
+// W_eff chunk: out[n][k] = bf16(W[n][k] + α[n]·s[n][k]) for n in [n0, n0 + rows), or
+// bf16(α[n]·s[n][k]) alone when with_base is false. out is [rows, K] row-major; device pointers.
+// max_blocks > 0 caps the grid (256 threads per block) so that the expansion leaves multiprocessors
+// to a concurrent GEMM.
+void expand_delta(const __nv_bfloat16* w, int K, const DeltaRef& delta, int n0, int rows,
+                  bool with_base, __nv_bfloat16* out, cudaStream_t stream, int max_blocks = 0);
+
+// Owns the cuBLAS handle, the scratch chunks and the helper stream; one per device stream.
+class PrefillLinear {
+ public:
+  // scratch_rows_per_chunk × max K bf16 per scratch buffer (two buffers).
+  PrefillLinear(cudaStream_t stream, size_t scratch_elems);
+  ~PrefillLinear();
+  PrefillLinear(const PrefillLinear&) = delete;
+  PrefillLinear& operator=(const PrefillLinear&) = delete;
+
+  // y[rows, N] f32 = x[rows, K] · W_effᵀ (device pointers); chunk_rows output rows per scratch
+  // chunk (0: as many as the scratch holds); expand_blocks caps the pipelined expansion's grid (0:
+  // none).
+  void run(PrefillMethod method, const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x,
+           int rows, const DeltaRef& delta, float* y, int chunk_rows = 0, int expand_blocks = 0);
+
+  cublasHandle_t handle() const { return handle_; }
+
+ private:
+  void gemm(const __nv_bfloat16* w_rows, int n_rows, int K, const __nv_bfloat16* x, int rows,
+            float* y, int ldy, float beta);
+
+  cudaStream_t stream_;
+  cudaStream_t helper_ = nullptr;
+  cublasHandle_t handle_ = nullptr;
+  size_t scratch_elems_;
+  __nv_bfloat16* scratch_[2] = {nullptr, nullptr};
+  cudaEvent_t expanded_[2] = {nullptr, nullptr}, consumed_[2] = {nullptr, nullptr};
+};
+
+}  // namespace bitdelta::cuda

@@ -1,0 +1,219 @@
+// Backend-consistency test for the CUDA fused BitDelta linear (label `gpu`: needs a GPU).
+// Every fast CUDA path and the plain CUDA reference run on random inputs and shapes (odd K, mixed
+// variants, rows without delta, α per row and per tensor) and are compared with the CPU reference
+// bitdelta::cpu::fused_linear_reference, which sees the same bf16-rounded x and W.
+// Bounds, as ‖y − y_ref‖₂ / ‖y_ref‖₂ (y_ref: W_eff in f32, dot in f64):
+//   decode kernel 5e-5: bf16·bf16 products are exact, but the tensor cores' f32 accumulation is not
+//     IEEE-rounded; measured 1.2e-6 when K is split over 8 warps and up to 1.3e-5 at K = 11008 in
+//     one accumulator (k_split = 1),
+//   CUDA reference 1e-6,
+//   prefill 4e-3: two-GEMM rounds α⊙S to bf16 (measured ≤ 1.3e-3 at N = 16, ~3e-4 at larger N);
+//     materialize/pipelined round W_eff to bf16 (≤ 2⁻⁹ relative per weight).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/fused_linear.h"
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/fused_linear_decode.cuh"
+#include "backend/cuda/fused_linear_prefill.cuh"
+#include "backend/cuda/fused_linear_reference.cuh"
+#include "bitdelta/dtype.h"
+
+namespace {
+
+using bitdelta::DeltaRef;
+namespace bcuda = bitdelta::cuda;
+
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit DeviceBuffer(size_t count) : n(count) {
+    BITDELTA_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)));
+  }
+  DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) {
+    BITDELTA_CUDA_CHECK(
+        cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  std::vector<T> to_host() const {
+    std::vector<T> h(n);
+    BITDELTA_CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+struct Variant {
+  std::vector<uint8_t> signs;
+  std::vector<float> alpha;
+  bool per_row;
+};
+
+int failures = 0, checks = 0;
+
+double rel_error(const std::vector<float>& y, const std::vector<float>& ref, bool& all_finite) {
+  double num = 0, den = 0;
+  all_finite = true;
+  for (size_t i = 0; i < y.size(); ++i) {
+    if (!std::isfinite(y[i])) all_finite = false;
+    num += (double(y[i]) - ref[i]) * (double(y[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+void expect(const std::string& what, const std::vector<float>& y, const std::vector<float>& ref,
+            double bound) {
+  bool finite;
+  const double err = rel_error(y, ref, finite);
+  ++checks;
+  const bool ok = finite && err <= bound;
+  if (!ok) ++failures;
+  std::printf("%s %-70s rel_err %.3e (bound %.0e)%s\n", ok ? "ok  " : "FAIL", what.c_str(), err,
+              bound, finite ? "" : " NON-FINITE OUTPUT");
+}
+
+void poison(float* y, size_t n) {
+  BITDELTA_CUDA_CHECK(cudaMemset(y, 0xff, n * sizeof(float)));
+}  // NaN
+
+// One shape: N×K weight, `rows` rows whose variant index is row_variant[r] (-1: none).
+void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_variant, int nvariants,
+                bool per_row) {
+  const int rows = int(row_variant.size());
+  const size_t row_bytes = (size_t(K) + 7) / 8;
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<uint16_t> w(size_t(N) * K), x(size_t(rows) * K);
+  for (auto& v : w) v = bitdelta::f32_to_bf16(0.05f * u(rng));
+  for (auto& v : x) v = bitdelta::f32_to_bf16(u(rng));
+  std::vector<Variant> vars(nvariants);
+  for (auto& v : vars) {
+    v.per_row = per_row;
+    v.signs.resize(size_t(N) * row_bytes);
+    for (size_t n = 0; n < size_t(N); ++n)
+      for (size_t b = 0; b < row_bytes; ++b) {
+        uint8_t byte = uint8_t(rng());
+        const size_t valid = std::min<size_t>(8, size_t(K) - 8 * b);
+        if (valid < 8) byte &= uint8_t((1u << valid) - 1);  // padding bits are 0 (DESIGN.md §3)
+        v.signs[n * row_bytes + b] = byte;
+      }
+    v.alpha.resize(per_row ? N : 1);
+    for (auto& a : v.alpha) a = 0.005f * (1.25f + u(rng));
+  }
+  // CPU reference on the same bf16 values.
+  std::vector<float> xf(x.size());
+  for (size_t i = 0; i < x.size(); ++i) xf[i] = bitdelta::bf16_to_f32(x[i]);
+  bitdelta::TensorView wv{
+      bitdelta::DType::BF16,
+      {uint64_t(N), uint64_t(K)},
+      std::span<const std::byte>(reinterpret_cast<const std::byte*>(w.data()), w.size() * 2)};
+  std::vector<DeltaRef> host_refs(rows);
+  for (int r = 0; r < rows; ++r)
+    if (row_variant[r] >= 0) {
+      const Variant& v = vars[row_variant[r]];
+      host_refs[r] = DeltaRef{v.signs.data(), v.alpha.data(), v.per_row};
+    }
+  std::vector<float> ref(size_t(rows) * N);
+  bitdelta::cpu::fused_linear_reference(wv, xf, rows, host_refs, nullptr, ref);
+
+  DeviceBuffer<uint16_t> dw(w), dx(x);
+  std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> dsigns;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> dalpha;
+  for (auto& v : vars) {
+    dsigns.push_back(std::make_unique<DeviceBuffer<uint8_t>>(v.signs));
+    dalpha.push_back(std::make_unique<DeviceBuffer<float>>(v.alpha));
+  }
+  std::vector<DeltaRef> dev_refs(rows);
+  for (int r = 0; r < rows; ++r)
+    if (row_variant[r] >= 0)
+      dev_refs[r] = DeltaRef{dsigns[row_variant[r]]->ptr, dalpha[row_variant[r]]->ptr, per_row};
+  DeviceBuffer<float> dy(size_t(rows) * N);
+  const auto* wb = reinterpret_cast<const __nv_bfloat16*>(dw.ptr);
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(dx.ptr);
+  std::string vlist;
+  for (int v : row_variant) vlist += (v < 0 ? std::string("-") : std::to_string(v)) + ",";
+  const std::string tag = std::to_string(N) + "x" + std::to_string(K) + " rows " +
+                          std::to_string(rows) + (per_row ? " alpha/row" : " alpha/tensor") +
+                          " v[" + vlist.substr(0, 40) + "]";
+
+  if (rows <= 16) {
+    poison(dy.ptr, dy.n);
+    bcuda::fused_linear_reference(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr);
+    BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+    expect("cuda reference   " + tag, dy.to_host(), ref, 1e-6);
+    for (int ks : {0, 1, 2, 4, 8}) {
+      poison(dy.ptr, dy.n);
+      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {ks});
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      expect("decode ks=" + std::to_string(ks) + "      " + tag, dy.to_host(), ref, 5e-5);
+    }
+  }
+  // Prefill paths: one variant for all rows (the first row's).
+  bool one_variant = true;
+  for (int v : row_variant) one_variant = one_variant && v == row_variant[0];
+  if (one_variant && row_variant[0] >= 0) {
+    bcuda::PrefillLinear prefill(nullptr, size_t(K) * 40);  // 40-row chunks: many chunks even here
+    using M = bcuda::PrefillMethod;
+    const std::pair<M, const char*> methods[] = {{M::kTwoGemms, "two gemms "},
+                                                 {M::kMaterialize, "materialize"},
+                                                 {M::kPipelined, "pipelined "}};
+    for (auto [m, name] : methods) {
+      poison(dy.ptr, dy.n);
+      prefill.run(m, wb, N, K, xb, rows, dev_refs[0], dy.ptr);
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      expect(std::string("prefill ") + name + "  " + tag, dy.to_host(), ref, 4e-3);
+    }
+  }
+}
+
+}  // namespace
+
+int main() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device\n");
+    return 1;
+  }
+  std::mt19937 rng(20261129);
+  try {
+    // Decode: mixed variants, shared variants, rows without delta, odd and aligned K.
+    struct Shape {
+      int N, K;
+    };
+    const Shape shapes[] = {{64, 64},     {37, 131}, {100, 1001}, {257, 4096},
+                            {130, 11008}, {33, 7},   {16, 200}};
+    for (const Shape s : shapes)
+      for (bool per_row : {true, false}) {
+        check_case(rng, s.N, s.K, {0}, 1, per_row);
+        check_case(rng, s.N, s.K, {-1}, 1, per_row);
+        check_case(rng, s.N, s.K, {2, 0, -1, 1, 0}, 3, per_row);
+        std::vector<int> sixteen(16);
+        for (int r = 0; r < 16; ++r) sixteen[r] = r;
+        check_case(rng, s.N, s.K, sixteen, 16, per_row);
+        check_case(rng, s.N, s.K, {3, 3, 1, -1, 0, 2, 3, 1, 1, 0, -1, 3}, 4,
+                   per_row);  // variants in both groups
+        check_case(rng, s.N, s.K, std::vector<int>(9, 0), 1, per_row);
+      }
+    // Prefill: many rows of one variant.
+    for (const Shape s : {Shape{300, 512}, Shape{129, 1003}, Shape{1024, 4096}})
+      for (bool per_row : {true, false})
+        check_case(rng, s.N, s.K, std::vector<int>(77, 0), 1, per_row);
+  } catch (const std::exception& e) {
+    std::printf("FAIL exception: %s\n", e.what());
+    return 1;
+  }
+  std::printf("%d of %d checks passed\n", checks - failures, checks);
+  return failures == 0 ? 0 : 1;
+}
