@@ -80,23 +80,37 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
 
 constexpr size_t kTile = 4;  // batch rows per pass over a block of weights
 
-// The base term for output rows n and n+1 (NO = 2) or n alone (NO = 1) and NR batch rows: each x
-// load feeds NO fused multiply-adds and the NR·NO accumulator chains are independent, enough to
-// keep both FMA pipes busy (latency 4 × 2 pipes).
-template <size_t NR, size_t NO>
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline void base_block_avx2(const TensorView& w,
-                                                                                   const float* x, float* out,
-                                                                                   size_t N, size_t n) {
-  const size_t K = w.shape[1], esize = dtype_size(w.dtype), K8 = K / 8 * 8;
-  __m256 acc[NR][NO];
+// NO output rows (n .. n+NO−1) for NR batch rows. Each weight load feeds NR fused multiply-adds
+// and each x load NO of them; the NR·NO accumulator chains are independent, which hides the FMA
+// latency (4 cycles × 2 pipes want 8 chains). With kDelta, rows with a delta also sum x over the
+// lanes their sign bits select (bits·x, through the mask table), reusing the same x load.
+template <size_t NR, size_t NO, bool kDelta>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_block_avx2(
+    const TensorView& w, const float* x, const DeltaRef* deltas, const float* sum_x, float* y, size_t N, size_t n) {
+  const size_t K = w.shape[1], esize = dtype_size(w.dtype), row_bytes = (K + 7) / 8, K8 = K / 8 * 8;
+  const auto& table = mask_table();
+  __m256 acc[NR][NO], dacc[kDelta ? NR : 1][NO];
+  const uint8_t* srow[NR][NO];
   for (size_t r = 0; r < NR; ++r)
-    for (size_t o = 0; o < NO; ++o) acc[r][o] = _mm256_setzero_ps();
+    for (size_t o = 0; o < NO; ++o) {
+      acc[r][o] = _mm256_setzero_ps();
+      if constexpr (kDelta) dacc[r][o] = _mm256_setzero_ps();
+      srow[r][o] = kDelta && deltas[r].signs ? deltas[r].signs + (n + o) * row_bytes : nullptr;
+    }
   for (size_t k = 0; k < K8; k += 8) {
     __m256 wv[NO];
     for (size_t o = 0; o < NO; ++o) wv[o] = load8(w.dtype, w.data.data() + ((n + o) * K + k) * esize);
     for (size_t r = 0; r < NR; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * K + k);
       for (size_t o = 0; o < NO; ++o) acc[r][o] = _mm256_fmadd_ps(wv[o], xv, acc[r][o]);
+      if constexpr (kDelta) {
+        if (srow[r][0])
+          for (size_t o = 0; o < NO; ++o) {
+            const __m256 m = _mm256_castsi256_ps(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table[srow[r][o][k / 8]].data())));
+            dacc[r][o] = _mm256_add_ps(dacc[r][o], _mm256_and_ps(m, xv));
+          }
+      }
     }
   }
   for (size_t o = 0; o < NO; ++o) {
@@ -105,59 +119,26 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void base_block_a
     for (size_t r = 0; r < NR; ++r) {
       float a = hsum(acc[r][o]);
       for (size_t k = K8; k < K; ++k) a += tail[k - K8] * x[r * K + k];
-      out[r * N + n + o] = a;
-    }
-  }
-}
-
-template <size_t NR>
-__attribute__((target("avx2,fma,f16c"))) void base_tile_avx2(const TensorView& w, const float* x, float* y, size_t N,
-                                                             size_t n0, size_t n1) {
-  size_t n = n0;
-  for (; n + 2 <= n1; n += 2) base_block_avx2<NR, 2>(w, x, y, N, n);
-  if (n < n1) base_block_avx2<NR, 1>(w, x, y, N, n);
-}
-
-// Base and delta in one pass for NR batch rows with deltas and one output row n: each x load feeds
-// the base FMA and, through the sign byte's lane mask, the bits·x sum.
-template <size_t NR>
-__attribute__((target("avx2,fma,f16c"))) void fused_tile_avx2(const TensorView& w, const float* x,
-                                                             const DeltaRef* deltas, const float* sum_x, float* y,
-                                                             size_t N, size_t n0, size_t n1) {
-  const size_t K = w.shape[1], esize = dtype_size(w.dtype), row_bytes = (K + 7) / 8, K8 = K / 8 * 8;
-  const auto& table = mask_table();
-  for (size_t n = n0; n < n1; ++n) {
-    const std::byte* wrow = w.data.data() + n * K * esize;
-    __m256 acc[NR], dacc[NR];
-    const uint8_t* srow[NR];
-    for (size_t r = 0; r < NR; ++r) {
-      acc[r] = dacc[r] = _mm256_setzero_ps();
-      srow[r] = deltas[r].signs ? deltas[r].signs + n * row_bytes : nullptr;
-    }
-    for (size_t k = 0; k < K8; k += 8) {
-      const __m256 wv = load8(w.dtype, wrow + k * esize);
-      for (size_t r = 0; r < NR; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + r * K + k);
-        acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
-        if (srow[r]) {
-          const __m256 m =
-              _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table[srow[r][k / 8]].data())));
-          dacc[r] = _mm256_add_ps(dacc[r], _mm256_and_ps(m, xv));
+      if constexpr (kDelta) {
+        if (srow[r][o]) {
+          float bits_x = hsum(dacc[r][o]);
+          for (size_t k = K8; k < K; ++k)
+            if ((srow[r][o][k / 8] >> (k % 8)) & 1) bits_x += x[r * K + k];
+          a += load_alpha(deltas[r], n + o) * (2 * bits_x - sum_x[r]);  // S·x = 2·(bits·x) − Σx
         }
       }
-    }
-    float tail[8] = {};
-    if (K8 < K) to_f32(w.dtype, wrow + K8 * esize, tail, K - K8);
-    for (size_t r = 0; r < NR; ++r) {
-      float a = hsum(acc[r]), bits_x = hsum(dacc[r]);
-      for (size_t k = K8; k < K; ++k) {
-        a += tail[k - K8] * x[r * K + k];
-        if (srow[r] && ((srow[r][k / 8] >> (k % 8)) & 1)) bits_x += x[r * K + k];
-      }
-      if (srow[r]) a += load_alpha(deltas[r], n) * (2 * bits_x - sum_x[r]);
-      y[r * N + n] = a;
+      y[r * N + n + o] = a;
     }
   }
+}
+
+// Output rows [n0, n1) for NR batch rows: NO output rows at a time, then the rest one by one.
+template <size_t NR, size_t NO, bool kDelta>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const TensorView& w, const float* x, const DeltaRef* deltas,
+                                                        const float* sum_x, float* y, size_t N, size_t n0, size_t n1) {
+  size_t n = n0;
+  for (; n + NO <= n1; n += NO) tile_block_avx2<NR, NO, kDelta>(w, x, deltas, sum_x, y, N, n);
+  for (; n < n1; ++n) tile_block_avx2<NR, 1, kDelta>(w, x, deltas, sum_x, y, N, n);
 }
 
 __attribute__((target("avx2,fma,f16c"))) void linear_rows_avx2(const TensorView& w, const float* x, size_t rows,
@@ -166,7 +147,8 @@ __attribute__((target("avx2,fma,f16c"))) void linear_rows_avx2(const TensorView&
   const size_t K = w.shape[1], N = w.shape[0];
   // Blocks of output rows small enough that their weights stay in L1/L2 while every row tile
   // passes over them: the base is read from memory once per call, each variant's signs once.
-  const size_t block = std::max<size_t>(2, (16u << 10) / std::max<size_t>(1, K * dtype_size(w.dtype)));
+  // At least 4 rows (a multiple of 4), so the 4-output-row tiles apply.
+  const size_t block = std::max<size_t>(4, (32u << 10) / std::max<size_t>(1, K * dtype_size(w.dtype))) / 4 * 4;
   for (size_t b0 = n0; b0 < n1; b0 += block) {
     const size_t b1 = std::min(n1, b0 + block);
     for (size_t r = 0; r < rows; r += kTile) {
@@ -174,19 +156,22 @@ __attribute__((target("avx2,fma,f16c"))) void linear_rows_avx2(const TensorView&
       const float* xr = x + r * K;
       float* yr = y + r * N;
       const bool any_delta = std::any_of(deltas + r, deltas + r + nr, [](const DeltaRef& d) { return d.signs; });
+      const DeltaRef* d = deltas + r;
+      const float* sx = sum_x + r;
+      // Enough independent accumulators per tile, within the 16 vector registers.
       if (any_delta) {
         switch (nr) {
-          case 1: fused_tile_avx2<1>(w, xr, deltas + r, sum_x + r, yr, N, b0, b1); break;
-          case 2: fused_tile_avx2<2>(w, xr, deltas + r, sum_x + r, yr, N, b0, b1); break;
-          case 3: fused_tile_avx2<3>(w, xr, deltas + r, sum_x + r, yr, N, b0, b1); break;
-          default: fused_tile_avx2<4>(w, xr, deltas + r, sum_x + r, yr, N, b0, b1); break;
+          case 1: tile_avx2<1, 4, true>(w, xr, d, sx, yr, N, b0, b1); break;
+          case 2: tile_avx2<2, 2, true>(w, xr, d, sx, yr, N, b0, b1); break;
+          case 3: tile_avx2<3, 1, true>(w, xr, d, sx, yr, N, b0, b1); break;
+          default: tile_avx2<4, 1, true>(w, xr, d, sx, yr, N, b0, b1); break;
         }
       } else {
         switch (nr) {
-          case 1: base_tile_avx2<1>(w, xr, yr, N, b0, b1); break;
-          case 2: base_tile_avx2<2>(w, xr, yr, N, b0, b1); break;
-          case 3: base_tile_avx2<3>(w, xr, yr, N, b0, b1); break;
-          default: base_tile_avx2<4>(w, xr, yr, N, b0, b1); break;
+          case 1: tile_avx2<1, 4, false>(w, xr, d, sx, yr, N, b0, b1); break;
+          case 2: tile_avx2<2, 4, false>(w, xr, d, sx, yr, N, b0, b1); break;
+          case 3: tile_avx2<3, 2, false>(w, xr, d, sx, yr, N, b0, b1); break;
+          default: tile_avx2<4, 2, false>(w, xr, d, sx, yr, N, b0, b1); break;
         }
       }
     }
