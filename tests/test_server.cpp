@@ -224,6 +224,15 @@ TEST(Protocol, ValidatesEveryFieldByName) {
   EXPECT_EQ(message_of(R"({"messages": [{"role": "robot", "content": "x"}]})", chat),
             "messages[0].role must be system, user or assistant (got 'robot')");
   EXPECT_EQ(message_of(R"({"messages": [{"role": "user"}]})", chat), "messages[0].content is required");
+  EXPECT_EQ(message_of(R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", chat),
+            "tools are not supported");
+  EXPECT_EQ(message_of(R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})", chat),
+            "response_format: only {\"type\": \"text\"} is supported");
+  EXPECT_EQ(parse(R"({"messages": [{"role": "developer", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})",
+                  chat).engine.prompt,
+            tok.encode("<|system|>\nS\n<|user|>\nab\n<|assistant|>\n", true));
+  EXPECT_EQ(message_of(R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", chat),
+            "messages[0].content[0].type 'image_url' is not supported (only text)");
   EXPECT_EQ(message_of(R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3})", chat),
             "top_logprobs requires logprobs: true");
 }
@@ -699,6 +708,15 @@ TEST_F(ServerTest, ConfigFileWithFineTuneDirectoryAndPins) {
   auto pc = plain.client();
   b["model"] = "math";
   EXPECT_EQ(post(pc, "/v1/completions", b).body["choices"][0]["text"], tuned.body["choices"][0]["text"]);
+}
+
+TEST_F(ServerTest, PortInUseIsAnError) {
+  auto server = start();
+  const auto out = test::run_command("timeout 30 " + std::string(BITDELTA_CLI) + " serve " + family().base.string() +
+                                         " --port " + std::to_string(server->port()),
+                                     scratch.path());
+  EXPECT_EQ(out.exit_code, 1) << out.err;
+  EXPECT_NE(out.err.find("cannot listen on 127.0.0.1:" + std::to_string(server->port())), std::string::npos) << out.err;
 }
 
 TEST_F(ServerTest, SigtermShutsDownCleanly) {

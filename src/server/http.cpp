@@ -78,6 +78,12 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
   // Each connection holds a thread while its request runs, so the pool bounds concurrent requests.
   const size_t threads = std::max<size_t>(ctx.options.http_threads, 2);
   http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  // httplib's default also sets SO_REUSEPORT, which lets a second server bind the same port
+  // silently and share its connections; we want "address in use" instead.
+  http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  });
   http.set_payload_max_length(ctx.options.max_body_bytes);
   http.set_read_timeout(30);
   http.set_write_timeout(30);

@@ -137,7 +137,9 @@ void parse_messages(const json& body, const ModelInfo& model, ParsedRequest& r) 
     const auto& m = ms[i];
     if (!m.is_object()) bad(str("messages[", i, "] must be an object with role and content"));
     if (!m.contains("role") || !m["role"].is_string()) bad(str("messages[", i, "].role must be a string"));
-    messages.push_back({m["role"].get<std::string>(), message_content(m, i)});
+    std::string role = m["role"].get<std::string>();
+    if (role == "developer") role = "system";  // newer OpenAI clients' name for system instructions
+    messages.push_back({role, message_content(m, i)});
   }
   std::vector<ChatSegment> segments;
   try {
@@ -258,6 +260,12 @@ ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelI
   for (const char* f : {"n", "best_of"})
     if (present(body, f) && get_int(body[f], f, 1, INT64_MAX) != 1)
       bad(str(f, " must be 1 (one choice per request)"));
+  for (const char* f : {"tools", "functions"})
+    if (present(body, f) && !(body[f].is_array() && body[f].empty())) bad(str(f, " are not supported"));
+  if (present(body, "response_format")) {
+    const json& rf = body["response_format"];
+    if (!rf.is_object() || rf.value("type", "") != "text") bad("response_format: only {\"type\": \"text\"} is supported");
+  }
   if (present(body, "suffix") && !(body["suffix"].is_string() && body["suffix"].get<std::string>().empty()))
     bad("suffix is not supported");
 
