@@ -1,18 +1,8 @@
 #!/usr/bin/env bash
-# The main job (until the server exists): build, then compress each bundled demo fine-tune against
-# the demo base into build/demo/NAME.bitdelta and describe the result.
+# The main job: build, then serve the bundled demo family (models/demo: the base and its coder, math,
+# writer and legal variants, each a 1-bit delta) through the OpenAI-compatible API on
+# http://127.0.0.1:8080. Extra arguments go to `bitdelta serve` (e.g. --port 9000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh >/dev/null
-demo=models/demo
-if [ ! -f "$demo/base/config.json" ]; then
-  echo "demo: $demo/base is missing (see models/demo/README.md to regenerate the demo family)" >&2
-  exit 1
-fi
-mkdir -p build/demo
-for variant in coder math writer legal; do
-  [ -d "$demo/$variant" ] || continue
-  build/bitdelta compress "$demo/base" "$demo/$variant" -o "build/demo/$variant.bitdelta"
-  echo
-done
-build/bitdelta inspect build/demo/coder.bitdelta | head -12
+exec build/bitdelta serve "$@"
