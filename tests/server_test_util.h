@@ -5,8 +5,8 @@
 
 #include <fcntl.h>
 #include <httplib.h>
-#include <signal.h>
 #include <sentencepiece_trainer.h>
+#include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -30,11 +30,22 @@ inline const char* kDemoChatTemplate =
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}";
 
 inline json tiny_server_config() {
-  return {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"vocab_size", 300},
-          {"hidden_size", 32}, {"intermediate_size", 64}, {"num_hidden_layers", 2},
-          {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"head_dim", 8},
-          {"max_position_embeddings", 256}, {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0},
-          {"tie_word_embeddings", false}, {"hidden_act", "silu"}, {"bos_token_id", 1}, {"eos_token_id", 2}};
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"model_type", "llama"},
+          {"vocab_size", 300},
+          {"hidden_size", 32},
+          {"intermediate_size", 64},
+          {"num_hidden_layers", 2},
+          {"num_attention_heads", 4},
+          {"num_key_value_heads", 2},
+          {"head_dim", 8},
+          {"max_position_embeddings", 256},
+          {"rms_norm_eps", 1e-5},
+          {"rope_theta", 10000.0},
+          {"tie_word_embeddings", false},
+          {"hidden_act", "silu"},
+          {"bos_token_id", 1},
+          {"eos_token_id", 2}};
 }
 
 // base/ (checkpoint + tokenizer), finetunes/<name>/ and variants/<name>.bitdelta.
@@ -51,21 +62,25 @@ struct TinyFamily {
     fs::create_directories(base);
     fs::create_directories(variants);
     // A deterministic corpus of word salad; enough for a 300-piece BPE with byte fallback.
-    const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "def", "return",
-                           "license", "shall", "number", "sum", "of", "and", "to", "poem", "sea", "wind"};
+    const char* words[] = {"the", "quick", "brown",  "fox",     "jumps", "over",   "lazy",
+                           "dog", "def",   "return", "license", "shall", "number", "sum",
+                           "of",  "and",   "to",     "poem",    "sea",   "wind"};
     std::mt19937_64 rng(7);
     std::string corpus;
     for (int line = 0; line < 400; ++line) {
-      for (int w = 0; w < 12; ++w) corpus += std::string(w ? " " : "") + words[rng() % std::size(words)];
+      for (int w = 0; w < 12; ++w)
+        corpus += std::string(w ? " " : "") + words[rng() % std::size(words)];
       corpus += " 12+7=19 x = f(y)\n";
     }
     write_text(dir / "corpus.txt", corpus);
     const auto status = sentencepiece::SentencePieceTrainer::Train(
         "--input=" + (dir / "corpus.txt").string() + " --model_prefix=" + (dir / "tok").string() +
         " --vocab_size=300 --model_type=bpe --byte_fallback=true --character_coverage=1.0"
-        " --user_defined_symbols=<|system|>,<|user|>,<|assistant|> --unk_id=0 --bos_id=1 --eos_id=2 --pad_id=-1"
+        " --user_defined_symbols=<|system|>,<|user|>,<|assistant|> --unk_id=0 --bos_id=1 "
+        "--eos_id=2 --pad_id=-1"
         " --minloglevel=2 --num_threads=1");
-    if (!status.ok()) throw std::runtime_error("sentencepiece training failed: " + status.ToString());
+    if (!status.ok())
+      throw std::runtime_error("sentencepiece training failed: " + status.ToString());
     fs::copy_file(dir / "tok.model", base / "tokenizer.model");
     const json config = tiny_server_config();
     const ModelConfig c = ModelConfig::from_json(config, "tiny");

@@ -55,7 +55,8 @@ Reply post(httplib::Client& c, const std::string& path, const std::string& body,
   if (!r) return {-1, nullptr, "no response: " + httplib::to_string(r.error())};
   return {r->status, json::parse(r->body, nullptr, false), r->body};
 }
-Reply post(httplib::Client& c, const std::string& path, const json& body, const httplib::Headers& headers = {}) {
+Reply post(httplib::Client& c, const std::string& path, const json& body,
+           const httplib::Headers& headers = {}) {
   return post(c, path, body.dump(), headers);
 }
 
@@ -124,8 +125,11 @@ TEST(ChatTemplate, DemoFamilyRendersLikeTransformers) {
   const auto segments = t.render({{"user", "hi"}});
   ASSERT_EQ(segments.size(), 1u);
   EXPECT_EQ(segments[0].text, expected);
-  EXPECT_EQ(t.render({{"system", "Be brief."}, {"user", "hi"}, {"assistant", "hello"}, {"user", "more"}})[0].text,
-            "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\nhello\n<|user|>\nmore\n<|assistant|>\n");
+  EXPECT_EQ(
+      t.render(
+           {{"system", "Be brief."}, {"user", "hi"}, {"assistant", "hello"}, {"user", "more"}})[0]
+          .text,
+      "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\nhello\n<|user|>\nmore\n<|assistant|>\n");
   const fs::path demo = kSourceDir / "models/demo/base";
   if (fs::exists(demo / "tokenizer_config.json")) {
     EXPECT_EQ(ChatTemplate::from_checkpoint(demo).family(), ChatFamily::kRoleMarkers);
@@ -134,22 +138,31 @@ TEST(ChatTemplate, DemoFamilyRendersLikeTransformers) {
 
 TEST(ChatTemplate, DetectsKnownFamiliesAndFallsBack) {
   bool known = false;
-  EXPECT_EQ(ChatTemplate::detect("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n'}}", &known).family(),
-            ChatFamily::kChatML);
-  EXPECT_EQ(ChatTemplate::detect("{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}").family(),
-            ChatFamily::kLlama3);
-  EXPECT_EQ(ChatTemplate::detect("{{ bos_token + '[INST] ' + '<<SYS>>\\n' }}").family(), ChatFamily::kLlama2);
-  EXPECT_EQ(ChatTemplate::detect("{{ bos_token + '[INST] ' + message['content'] + ' [/INST]' }}").family(),
+  EXPECT_EQ(
+      ChatTemplate::detect("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n'}}", &known)
+          .family(),
+      ChatFamily::kChatML);
+  EXPECT_EQ(
+      ChatTemplate::detect("{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}")
+          .family(),
+      ChatFamily::kLlama3);
+  EXPECT_EQ(ChatTemplate::detect("{{ bos_token + '[INST] ' + '<<SYS>>\\n' }}").family(),
+            ChatFamily::kLlama2);
+  EXPECT_EQ(ChatTemplate::detect("{{ bos_token + '[INST] ' + message['content'] + ' [/INST]' }}")
+                .family(),
             ChatFamily::kMistral);
   EXPECT_EQ(ChatTemplate::detect("{{ something else }}", &known).family(), ChatFamily::kPlain);
   EXPECT_FALSE(known);
 
-  const std::vector<ChatMessage> msgs = {{"system", "S"}, {"user", "U"}, {"assistant", "A"}, {"user", "V"}};
+  const std::vector<ChatMessage> msgs = {
+      {"system", "S"}, {"user", "U"}, {"assistant", "A"}, {"user", "V"}};
   EXPECT_EQ(ChatTemplate(ChatFamily::kChatML).render(msgs)[0].text,
-            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>"
+            "assistant\nA<|im_end|>\n"
             "<|im_start|>user\nV<|im_end|>\n<|im_start|>assistant\n");
   EXPECT_EQ(ChatTemplate(ChatFamily::kLlama3).render({{"user", " U "}})[0].text,
-            "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+            "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|><|start_header_id|>assistant<|"
+            "end_header_id|>\n\n");
   const auto llama2 = ChatTemplate(ChatFamily::kLlama2).render(msgs);
   ASSERT_EQ(llama2.size(), 2u);
   EXPECT_EQ(llama2[0].text, "[INST] <<SYS>>\nS\n<</SYS>>\n\nU [/INST] A ");
@@ -168,10 +181,12 @@ TEST(Protocol, ValidatesEveryFieldByName) {
   const Tokenizer tok(family().base);
   const ChatTemplate role_markers(ChatFamily::kRoleMarkers);
   const server::ModelInfo info{&tok, "base", 256, &role_markers};
-  const auto parse = [&](const std::string& body, server::Endpoint e = server::Endpoint::kCompletions) {
+  const auto parse = [&](const std::string& body,
+                         server::Endpoint e = server::Endpoint::kCompletions) {
     return server::parse_generation(server::parse_body(body), e, info);
   };
-  const auto message_of = [&](const std::string& body, server::Endpoint e = server::Endpoint::kCompletions) {
+  const auto message_of = [&](const std::string& body,
+                              server::Endpoint e = server::Endpoint::kCompletions) {
     try {
       parse(body, e);
     } catch (const server::ApiError& err) {
@@ -180,7 +195,8 @@ TEST(Protocol, ValidatesEveryFieldByName) {
     }
     return std::string("(accepted)");
   };
-  const auto r = parse(R"({"model": "coder", "prompt": [1, 5, 9], "max_tokens": 7, "temperature": 0, "seed": 3,
+  const auto r =
+      parse(R"({"model": "coder", "prompt": [1, 5, 9], "max_tokens": 7, "temperature": 0, "seed": 3,
                            "stop": ["a", "b"], "logprobs": 2, "echo": true})");
   EXPECT_EQ(r.engine.model, "coder");
   EXPECT_EQ(r.engine.prompt, (std::vector<int32_t>{1, 5, 9}));
@@ -190,7 +206,8 @@ TEST(Protocol, ValidatesEveryFieldByName) {
   EXPECT_EQ(r.engine.stop.stop_strings.size(), 2u);
   EXPECT_EQ(parse(R"({"prompt": "the dog"})").engine.prompt, tok.encode("the dog", true));
   EXPECT_EQ(parse(R"({"prompt": "x"})").engine.model, "base");
-  const auto c = parse(R"({"model": "m", "messages": [{"role": "user", "content": "hi"}]})", server::Endpoint::kChat);
+  const auto c = parse(R"({"model": "m", "messages": [{"role": "user", "content": "hi"}]})",
+                       server::Endpoint::kChat);
   EXPECT_EQ(c.engine.prompt, tok.encode("<|user|>\nhi\n<|assistant|>\n", true));
   EXPECT_EQ(c.engine.stop.max_tokens, 256 - c.engine.prompt.size());
 
@@ -200,41 +217,64 @@ TEST(Protocol, ValidatesEveryFieldByName) {
   EXPECT_EQ(message_of(R"({"prompt": "x", "temperature": -1})"), "temperature must be >= 0");
   EXPECT_EQ(message_of(R"({"prompt": "x", "temperature": "hot"})"), "temperature must be a number");
   EXPECT_EQ(message_of(R"({"prompt": "x", "top_p": 0})"), "top_p must be in (0, 1]");
-  EXPECT_EQ(message_of(R"({"prompt": "x", "max_tokens": -3})"), "max_tokens must be an integer >= 1");
-  EXPECT_EQ(message_of(R"({"prompt": "x", "max_tokens": 1e300})"), "max_tokens must be an integer >= 1");
-  EXPECT_NE(message_of(R"({"prompt": "x", "max_tokens": 99999999999999999999999})").find("max_tokens"), std::string::npos);
-  EXPECT_NE(message_of(R"({"prompt": "x", "max_tokens": 1000})").find("context is 256"), std::string::npos);
+  EXPECT_EQ(message_of(R"({"prompt": "x", "max_tokens": -3})"),
+            "max_tokens must be an integer >= 1");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "max_tokens": 1e300})"),
+            "max_tokens must be an integer >= 1");
+  EXPECT_NE(
+      message_of(R"({"prompt": "x", "max_tokens": 99999999999999999999999})").find("max_tokens"),
+      std::string::npos);
+  EXPECT_NE(message_of(R"({"prompt": "x", "max_tokens": 1000})").find("context is 256"),
+            std::string::npos);
   EXPECT_EQ(message_of(R"({"prompt": "x", "n": 2})"), "n must be 1 (one choice per request)");
   EXPECT_EQ(message_of(R"({"prompt": "x", "stop": ""})"), "stop must not be an empty string");
   EXPECT_EQ(message_of(R"({"prompt": "x", "stop": [1]})"), "stop[0] must be a string");
-  EXPECT_EQ(message_of(R"({"prompt": "x", "logprobs": 21})"), "logprobs must be an integer between 0 and 20");
-  EXPECT_EQ(message_of(R"({"prompt": [1, 99999]})"), "prompt[1] (a token id) must be an integer between 0 and 299");
-  EXPECT_EQ(message_of(R"({"prompt": [1, -1]})"), "prompt[1] (a token id) must be an integer between 0 and 299");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "logprobs": 21})"),
+            "logprobs must be an integer between 0 and 20");
+  EXPECT_EQ(message_of(R"({"prompt": [1, 99999]})"),
+            "prompt[1] (a token id) must be an integer between 0 and 299");
+  EXPECT_EQ(message_of(R"({"prompt": [1, -1]})"),
+            "prompt[1] (a token id) must be an integer between 0 and 299");
   EXPECT_EQ(message_of(R"({"prompt": []})"), "prompt must not be empty");
-  EXPECT_EQ(message_of(R"({"prompt": ["a", "b"]})"), "prompt: a list of prompts is not supported; send one prompt per request");
+  EXPECT_EQ(message_of(R"({"prompt": ["a", "b"]})"),
+            "prompt: a list of prompts is not supported; send one prompt per request");
   EXPECT_EQ(message_of(R"({"prompt": 5})"), "prompt must be a string or a list of token ids");
-  EXPECT_EQ(message_of(R"({"model": 5, "prompt": "x"})"), "model must be a string (GET /v1/models lists them)");
+  EXPECT_EQ(message_of(R"({"model": 5, "prompt": "x"})"),
+            "model must be a string (GET /v1/models lists them)");
   EXPECT_EQ(message_of(R"({"prompt": "x", "stream": "yes"})"), "stream must be a boolean");
   EXPECT_EQ(message_of(R"({"prompt": "x", "stream_options": {"include_usage": true}})"),
             "stream_options is only allowed with stream: true");
   std::vector<int> long_prompt(300, 5);
-  EXPECT_NE(message_of(json{{"prompt", long_prompt}}.dump()).find("prompt has 300 tokens"), std::string::npos);
+  EXPECT_NE(message_of(json{{"prompt", long_prompt}}.dump()).find("prompt has 300 tokens"),
+            std::string::npos);
   const auto chat = server::Endpoint::kChat;
   EXPECT_EQ(message_of(R"({"messages": []})", chat), "messages must not be empty");
   EXPECT_EQ(message_of(R"({"messages": [{"role": "robot", "content": "x"}]})", chat),
             "messages[0].role must be system, user or assistant (got 'robot')");
-  EXPECT_EQ(message_of(R"({"messages": [{"role": "user"}]})", chat), "messages[0].content is required");
-  EXPECT_EQ(message_of(R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", chat),
-            "tools are not supported");
-  EXPECT_EQ(message_of(R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})", chat),
-            "response_format: only {\"type\": \"text\"} is supported");
-  EXPECT_EQ(parse(R"({"messages": [{"role": "developer", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})",
-                  chat).engine.prompt,
-            tok.encode("<|system|>\nS\n<|user|>\nab\n<|assistant|>\n", true));
-  EXPECT_EQ(message_of(R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", chat),
-            "messages[0].content[0].type 'image_url' is not supported (only text)");
-  EXPECT_EQ(message_of(R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3})", chat),
-            "top_logprobs requires logprobs: true");
+  EXPECT_EQ(message_of(R"({"messages": [{"role": "user"}]})", chat),
+            "messages[0].content is required");
+  EXPECT_EQ(
+      message_of(
+          R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})",
+          chat),
+      "tools are not supported");
+  EXPECT_EQ(
+      message_of(
+          R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})",
+          chat),
+      "response_format: only {\"type\": \"text\"} is supported");
+  EXPECT_EQ(
+      parse(
+          R"({"messages": [{"role": "developer", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})",
+          chat)
+          .engine.prompt,
+      tok.encode("<|system|>\nS\n<|user|>\nab\n<|assistant|>\n", true));
+  EXPECT_EQ(
+      message_of(R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", chat),
+      "messages[0].content[0].type 'image_url' is not supported (only text)");
+  EXPECT_EQ(
+      message_of(R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3})", chat),
+      "top_logprobs requires logprobs: true");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -253,7 +293,10 @@ class ServerTest : public ::testing::Test {
 TEST_F(ServerTest, CompletionsAndChatWholeAndStreamed) {
   auto server = start();
   auto c = server->client();
-  const json req = {{"model", "coder"}, {"prompt", "the quick brown fox"}, {"max_tokens", 12}, {"temperature", 0},
+  const json req = {{"model", "coder"},
+                    {"prompt", "the quick brown fox"},
+                    {"max_tokens", 12},
+                    {"temperature", 0},
                     {"ignore_eos", true}};
   const auto whole = post(c, "/v1/completions", req);
   ASSERT_EQ(whole.status, 200) << whole.raw;
@@ -263,7 +306,8 @@ TEST_F(ServerTest, CompletionsAndChatWholeAndStreamed) {
   const Tokenizer tok(family().base);
   EXPECT_EQ(whole.body["usage"]["prompt_tokens"], tok.encode("the quick brown fox", true).size());
   EXPECT_EQ(whole.body["usage"]["completion_tokens"], 12);
-  EXPECT_EQ(whole.body["usage"]["total_tokens"], whole.body["usage"]["prompt_tokens"].get<int>() + 12);
+  EXPECT_EQ(whole.body["usage"]["total_tokens"],
+            whole.body["usage"]["prompt_tokens"].get<int>() + 12);
   const std::string text = whole.body["choices"][0]["text"];
 
   // The same request streamed gives the same text, chunk by chunk, then usage, then [DONE].
@@ -288,9 +332,13 @@ TEST_F(ServerTest, CompletionsAndChatWholeAndStreamed) {
   EXPECT_EQ(events.back()["usage"]["completion_tokens"], 12);
 
   // Chat: the demo template, whole and streamed.
-  const json creq = {{"model", "math"},
-                     {"messages", {{{"role", "system"}, {"content", "Be brief."}}, {{"role", "user"}, {"content", "12+7="}}}},
-                     {"max_tokens", 10}, {"temperature", 0}, {"ignore_eos", true}};
+  const json creq = {
+      {"model", "math"},
+      {"messages",
+       {{{"role", "system"}, {"content", "Be brief."}}, {{"role", "user"}, {"content", "12+7="}}}},
+      {"max_tokens", 10},
+      {"temperature", 0},
+      {"ignore_eos", true}};
   const auto chat = post(c, "/v1/chat/completions", creq);
   ASSERT_EQ(chat.status, 200) << chat.raw;
   EXPECT_EQ(chat.body["object"], "chat.completion");
@@ -308,7 +356,8 @@ TEST_F(ServerTest, CompletionsAndChatWholeAndStreamed) {
   EXPECT_EQ(cevents[0]["choices"][0]["delta"]["role"], "assistant");
   std::string cjoined;
   for (const auto& e : cevents)
-    if (e["choices"][0]["delta"].contains("content")) cjoined += e["choices"][0]["delta"]["content"].get<std::string>();
+    if (e["choices"][0]["delta"].contains("content"))
+      cjoined += e["choices"][0]["delta"]["content"].get<std::string>();
   EXPECT_EQ(cjoined, chat.body["choices"][0]["message"]["content"]);
   EXPECT_EQ(cevents.back()["choices"][0]["finish_reason"], "length");
 
@@ -330,7 +379,8 @@ TEST_F(ServerTest, CompletionsAndChatWholeAndStreamed) {
   seeded["top_k"] = 20;
   EXPECT_EQ(post(c, "/v1/completions", seeded).body["choices"][0]["text"],
             post(c, "/v1/completions", seeded).body["choices"][0]["text"]);
-  EXPECT_NE(server->log().find("[serve] /v1/completions model=coder status=200"), std::string::npos);
+  EXPECT_NE(server->log().find("[serve] /v1/completions model=coder status=200"),
+            std::string::npos);
 }
 
 TEST_F(ServerTest, TokenIdPromptLogprobsMatchScore) {
@@ -341,8 +391,13 @@ TEST_F(ServerTest, TokenIdPromptLogprobsMatchScore) {
   for (size_t i = 0; i < ids.size(); ++i) csv += (i ? "," : "") + std::to_string(ids[i]);
   for (const std::string model : {"base", "writer"}) {
     const auto r = post(c, "/v1/completions",
-                        {{"model", model}, {"prompt", ids}, {"max_tokens", 1}, {"temperature", 0}, {"logprobs", 3},
-                         {"echo", true}, {"ignore_eos", true}});
+                        {{"model", model},
+                         {"prompt", ids},
+                         {"max_tokens", 1},
+                         {"temperature", 0},
+                         {"logprobs", 3},
+                         {"echo", true},
+                         {"ignore_eos", true}});
     ASSERT_EQ(r.status, 200) << r.raw;
     const auto& lp = r.body["choices"][0]["logprobs"];
     ASSERT_EQ(lp["token_logprobs"].size(), ids.size() + 1);
@@ -359,7 +414,8 @@ TEST_F(ServerTest, TokenIdPromptLogprobsMatchScore) {
     const auto& expected = score["prompt_logprobs"];
     ASSERT_EQ(expected.size(), ids.size() - 1);
     for (size_t i = 0; i + 1 < ids.size(); ++i)
-      EXPECT_NEAR(lp["token_logprobs"][i + 1].get<double>(), expected[i].get<double>(), 1e-4) << model << " token " << i + 1;
+      EXPECT_NEAR(lp["token_logprobs"][i + 1].get<double>(), expected[i].get<double>(), 1e-4)
+          << model << " token " << i + 1;
 
     // The generated token: greedy picks the argmax of the last logits; its logprob is log_softmax.
     std::vector<float> last = score["last_logits"].get<std::vector<float>>();
@@ -370,8 +426,14 @@ TEST_F(ServerTest, TokenIdPromptLogprobsMatchScore) {
   }
   // Streamed with echo: the first chunk is the prompt with its logprobs, then the generated tokens.
   const auto streamed = post(c, "/v1/completions",
-                             {{"model", "base"}, {"prompt", ids}, {"max_tokens", 3}, {"temperature", 0}, {"logprobs", 1},
-                              {"echo", true}, {"ignore_eos", true}, {"stream", true}});
+                             {{"model", "base"},
+                              {"prompt", ids},
+                              {"max_tokens", 3},
+                              {"temperature", 0},
+                              {"logprobs", 1},
+                              {"echo", true},
+                              {"ignore_eos", true},
+                              {"stream", true}});
   ASSERT_EQ(streamed.status, 200) << streamed.raw;
   bool done = false;
   const auto events = sse_events(streamed.raw, &done);
@@ -388,8 +450,13 @@ TEST_F(ServerTest, TokenIdPromptLogprobsMatchScore) {
 
   // Chat logprobs use the new shape.
   const auto chat = post(c, "/v1/chat/completions",
-                         {{"model", "legal"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 4},
-                          {"temperature", 0}, {"logprobs", true}, {"top_logprobs", 2}, {"ignore_eos", true}});
+                         {{"model", "legal"},
+                          {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                          {"max_tokens", 4},
+                          {"temperature", 0},
+                          {"logprobs", true},
+                          {"top_logprobs", 2},
+                          {"ignore_eos", true}});
   ASSERT_EQ(chat.status, 200) << chat.raw;
   const auto& content = chat.body["choices"][0]["logprobs"]["content"];
   ASSERT_EQ(content.size(), 4u);
@@ -432,20 +499,28 @@ TEST_F(ServerTest, ErrorsInOpenAIShape) {
     ASSERT_TRUE(r.body.contains("error")) << r.raw;
     EXPECT_TRUE(r.body["error"]["message"].is_string());
     EXPECT_TRUE(r.body["error"]["type"].is_string());
-    EXPECT_NE(r.body["error"]["message"].get<std::string>().find(fragment), std::string::npos) << r.raw;
+    EXPECT_NE(r.body["error"]["message"].get<std::string>().find(fragment), std::string::npos)
+        << r.raw;
   };
   expect_error(post(c, "/v1/completions", json{{"model", "nope"}, {"prompt", "x"}}), 404, "nope");
-  expect_error(post(c, "/v1/chat/completions", std::string("{\"model\": \"base\", \"messages\": [")), 400, "not valid JSON");
-  expect_error(post(c, "/v1/completions", json{{"model", "base"}, {"prompt", "x"}, {"temperature", -0.5}}), 400,
-               "temperature must be >= 0");
-  expect_error(post(c, "/v1/completions", json{{"prompt", "x"}, {"max_tokens", -1}}), 400, "max_tokens");
+  expect_error(
+      post(c, "/v1/chat/completions", std::string("{\"model\": \"base\", \"messages\": [")), 400,
+      "not valid JSON");
+  expect_error(
+      post(c, "/v1/completions", json{{"model", "base"}, {"prompt", "x"}, {"temperature", -0.5}}),
+      400, "temperature must be >= 0");
+  expect_error(post(c, "/v1/completions", json{{"prompt", "x"}, {"max_tokens", -1}}), 400,
+               "max_tokens");
   expect_error(post(c, "/v1/completions", json{{"prompt", "x"}, {"n", 3}}), 400, "n must be 1");
-  expect_error(post(c, "/v1/completions", std::string("{\"prompt\": \"bad \xc3\x28 utf8\"}")), 400, "not valid JSON");
-  expect_error(post(c, "/v1/completions", json{{"prompt", std::vector<int>(400, 7)}}), 400, "context");
+  expect_error(post(c, "/v1/completions", std::string("{\"prompt\": \"bad \xc3\x28 utf8\"}")), 400,
+               "not valid JSON");
+  expect_error(post(c, "/v1/completions", json{{"prompt", std::vector<int>(400, 7)}}), 400,
+               "context");
   expect_error(post(c, "/v1/chat/completions", json{{"messages", "hello"}}), 400, "messages");
   expect_error(post(c, "/v1/nothing-here", json::object()), 404, "no route");
   // Loading is off without --variants-dir.
-  expect_error(post(c, "/v1/variants/load", json{{"name", "x"}, {"path", "/etc/passwd"}}), 403, "--variants-dir");
+  expect_error(post(c, "/v1/variants/load", json{{"name", "x"}, {"path", "/etc/passwd"}}), 403,
+               "--variants-dir");
   // Still serving.
   EXPECT_EQ(post(c, "/v1/completions", json{{"prompt", "x"}, {"max_tokens", 2}}).status, 200);
 }
@@ -473,8 +548,12 @@ TEST_F(ServerTest, DifferentVariantsShareSteps) {
     threads.emplace_back([&, model] {
       auto c = server->client();
       const auto r = post(c, "/v1/completions",
-                          {{"model", model}, {"prompt", "the lazy dog"}, {"max_tokens", 200}, {"temperature", 0},
-                           {"ignore_eos", true}, {"stream", true}});
+                          {{"model", model},
+                           {"prompt", "the lazy dog"},
+                           {"max_tokens", 200},
+                           {"temperature", 0},
+                           {"ignore_eos", true},
+                           {"stream", true}});
       if (r.status == 200) ++ok;
     });
   for (auto& t : threads) t.join();
@@ -500,8 +579,11 @@ TEST_F(ServerTest, ConcurrentRequestsToColdVariantLoadOnce) {
     threads.emplace_back([&, i] {
       auto cc = server->client();
       replies[size_t(i)] = post(cc, "/v1/completions",
-                                {{"model", "legal"}, {"prompt", "license " + std::to_string(i)}, {"max_tokens", 4},
-                                 {"temperature", 0}, {"ignore_eos", true}});
+                                {{"model", "legal"},
+                                 {"prompt", "license " + std::to_string(i)},
+                                 {"max_tokens", 4},
+                                 {"temperature", 0},
+                                 {"ignore_eos", true}});
     });
   for (auto& t : threads) t.join();
   for (const auto& r : replies) EXPECT_EQ(r.status, 200) << r.raw;
@@ -519,7 +601,11 @@ TEST_F(ServerTest, FullQueueAnswers429) {
     threads.emplace_back([&, i] {
       auto c = server->client();
       replies[i] = post(c, "/v1/completions",
-                        {{"model", "coder"}, {"prompt", "the"}, {"max_tokens", 250}, {"ignore_eos", true}, {"seed", i}});
+                        {{"model", "coder"},
+                         {"prompt", "the"},
+                         {"max_tokens", 250},
+                         {"ignore_eos", true},
+                         {"seed", i}});
     });
   for (auto& t : threads) t.join();
   int ok = 0, full = 0;
@@ -542,7 +628,10 @@ TEST_F(ServerTest, BudgetOfTwoDeltasEvictsButKeepsPinned) {
   {
     auto probe = start();
     auto c = probe->client();
-    ASSERT_EQ(post(c, "/v1/completions", json{{"model", "math"}, {"prompt", "x"}, {"max_tokens", 1}}).status, 200);
+    ASSERT_EQ(
+        post(c, "/v1/completions", json{{"model", "math"}, {"prompt", "x"}, {"max_tokens", 1}})
+            .status,
+        200);
     const json models = json::parse(c.Get("/v1/models")->body);
     for (const auto& m : models["data"])
       if (m["id"] == "math") one = m.value("bytes", uint64_t(0));
@@ -551,7 +640,8 @@ TEST_F(ServerTest, BudgetOfTwoDeltasEvictsButKeepsPinned) {
   auto server = start({"--delta-cache-bytes", std::to_string(one * 2 + one / 2), "--pin", "coder"});
   auto c = server->client();
   const auto ask = [&](const std::string& model) {
-    return post(c, "/v1/completions", json{{"model", model}, {"prompt", "x"}, {"max_tokens", 1}}).status;
+    return post(c, "/v1/completions", json{{"model", model}, {"prompt", "x"}, {"max_tokens", 1}})
+        .status;
   };
   ASSERT_EQ(ask("coder"), 200);
   for (const std::string m : {"math", "writer", "legal", "math", "writer"}) {
@@ -580,11 +670,14 @@ TEST_F(ServerTest, CorruptDeltaFailsOnlyItsOwnRequestsAndIsRetried) {
   const auto bad = post(c, "/v1/completions", req);
   EXPECT_GE(bad.status, 500) << bad.raw;
   ASSERT_TRUE(bad.body.contains("error")) << bad.raw;
-  EXPECT_NE(bad.body["error"]["message"].get<std::string>().find("broken"), std::string::npos) << bad.raw;
+  EXPECT_NE(bad.body["error"]["message"].get<std::string>().find("broken"), std::string::npos)
+      << bad.raw;
   json sreq = req;
   sreq["stream"] = true;
   EXPECT_GE(post(c, "/v1/completions", sreq).status, 500);
-  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "coder"}, {"prompt", "x"}, {"max_tokens", 2}}).status, 200);
+  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "coder"}, {"prompt", "x"}, {"max_tokens", 2}})
+                .status,
+            200);
   EXPECT_EQ(variant_state(c, "broken"), "failed");
   // Repaired on disk: the next request tries again and succeeds.
   fs::copy_file(family().delta("writer"), broken, fs::copy_options::overwrite_existing);
@@ -601,8 +694,10 @@ void stream_and_hang_up(int port, const std::string& body) {
   addr.sin_port = htons(uint16_t(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                              "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  const std::string request =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      "Content-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
   ASSERT_EQ(::send(fd, request.data(), request.size(), 0), ssize_t(request.size()));
   std::string got;
   char buf[4096];
@@ -618,8 +713,8 @@ void stream_and_hang_up(int port, const std::string& body) {
 TEST_F(ServerTest, ClientDisconnectMidStreamFreesItsSlot) {
   auto server = start();
   auto c = server->client();
-  const json body = {{"model", "coder"}, {"prompt", "the"}, {"max_tokens", 250}, {"temperature", 0},
-                     {"ignore_eos", true}, {"stream", true}};
+  const json body = {{"model", "coder"}, {"prompt", "the"},    {"max_tokens", 250},
+                     {"temperature", 0}, {"ignore_eos", true}, {"stream", true}};
   stream_and_hang_up(server->port(), body.dump());
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   double running = -1;
@@ -629,19 +724,37 @@ TEST_F(ServerTest, ClientDisconnectMidStreamFreesItsSlot) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   EXPECT_EQ(running, 0);
-  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "coder"}, {"prompt", "x"}, {"max_tokens", 2}}).status, 200);
-  EXPECT_NE(server->log().find("cancelled: client disconnected"), std::string::npos) << server->log();
+  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "coder"}, {"prompt", "x"}, {"max_tokens", 2}})
+                .status,
+            200);
+  EXPECT_NE(server->log().find("cancelled: client disconnected"), std::string::npos)
+      << server->log();
 }
 
 TEST_F(ServerTest, ThousandMalformedRequestsLeaveItServing) {
   auto server = start();
   auto c = server->client();
   const std::vector<std::string> garbage = {
-      "", "{", "}", "null", "[]", "\"str\"", "{\"prompt\":}", "{\"prompt\": 1e999}", "{\"prompt\": [1, 2, 3e40]}",
-      "{\"prompt\": \"x\", \"max_tokens\": 18446744073709551616}", "{\"prompt\": \"x\", \"temperature\": NaN}",
-      "{\"prompt\": \"x\", \"stop\": [[]]}", "{\"prompt\": {\"a\": 1}}", "{\"messages\": [{\"role\": null}]}",
-      std::string("{\"prompt\": \"\xff\"}"), std::string(1, '\0'), "{\"prompt\": \"x\", \"logprobs\": -1}",
-      "{\"prompt\": [[1, 2], [3]]}", "{\"prompt\": \"x\", \"top_k\": -7}", "{\"prompt\": \"x\", \"seed\": \"s\"}"};
+      "",
+      "{",
+      "}",
+      "null",
+      "[]",
+      "\"str\"",
+      "{\"prompt\":}",
+      "{\"prompt\": 1e999}",
+      "{\"prompt\": [1, 2, 3e40]}",
+      "{\"prompt\": \"x\", \"max_tokens\": 18446744073709551616}",
+      "{\"prompt\": \"x\", \"temperature\": NaN}",
+      "{\"prompt\": \"x\", \"stop\": [[]]}",
+      "{\"prompt\": {\"a\": 1}}",
+      "{\"messages\": [{\"role\": null}]}",
+      std::string("{\"prompt\": \"\xff\"}"),
+      std::string(1, '\0'),
+      "{\"prompt\": \"x\", \"logprobs\": -1}",
+      "{\"prompt\": [[1, 2], [3]]}",
+      "{\"prompt\": \"x\", \"top_k\": -7}",
+      "{\"prompt\": \"x\", \"seed\": \"s\"}"};
   int failed = 0;
   for (int i = 0; i < 1000; ++i) {
     const std::string& body = garbage[size_t(i) % garbage.size()];
@@ -663,18 +776,35 @@ TEST_F(ServerTest, LoadAndUnloadOnlyInsideVariantsDir) {
   fs::create_symlink(scratch / "outside.bitdelta", vdir / "escape.bitdelta");
   auto server = start({"--variants-dir", vdir.string()});
   auto c = server->client();
-  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "x1"}, {"path", "../outside.bitdelta"}}).status, 403);
-  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "x2"}, {"path", (scratch / "outside.bitdelta").string()}}).status, 403);
-  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "x3"}, {"path", "escape.bitdelta"}}).status, 403);
-  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "x4"}, {"path", "missing.bitdelta"}}).status, 400);
-  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "bad name!"}, {"path", "sub/extra.bitdelta"}}).status, 400);
-  const auto loaded = post(c, "/v1/variants/load", json{{"name", "extra"}, {"path", "sub/extra.bitdelta"}});
+  EXPECT_EQ(
+      post(c, "/v1/variants/load", json{{"name", "x1"}, {"path", "../outside.bitdelta"}}).status,
+      403);
+  EXPECT_EQ(post(c, "/v1/variants/load",
+                 json{{"name", "x2"}, {"path", (scratch / "outside.bitdelta").string()}})
+                .status,
+            403);
+  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "x3"}, {"path", "escape.bitdelta"}}).status,
+            403);
+  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "x4"}, {"path", "missing.bitdelta"}}).status,
+            400);
+  EXPECT_EQ(
+      post(c, "/v1/variants/load", json{{"name", "bad name!"}, {"path", "sub/extra.bitdelta"}})
+          .status,
+      400);
+  const auto loaded =
+      post(c, "/v1/variants/load", json{{"name", "extra"}, {"path", "sub/extra.bitdelta"}});
   ASSERT_EQ(loaded.status, 200) << loaded.raw;
   EXPECT_EQ(loaded.body["id"], "extra");
-  EXPECT_EQ(post(c, "/v1/variants/load", json{{"name", "extra"}, {"path", "sub/extra.bitdelta"}}).status, 409);
-  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "extra"}, {"prompt", "x"}, {"max_tokens", 2}}).status, 200);
+  EXPECT_EQ(
+      post(c, "/v1/variants/load", json{{"name", "extra"}, {"path", "sub/extra.bitdelta"}}).status,
+      409);
+  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "extra"}, {"prompt", "x"}, {"max_tokens", 2}})
+                .status,
+            200);
   EXPECT_EQ(post(c, "/v1/variants/unload", json{{"name", "extra"}}).status, 200);
-  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "extra"}, {"prompt", "x"}, {"max_tokens", 2}}).status, 404);
+  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "extra"}, {"prompt", "x"}, {"max_tokens", 2}})
+                .status,
+            404);
   EXPECT_EQ(post(c, "/v1/variants/unload", json{{"name", "extra"}}).status, 404);
   EXPECT_EQ(post(c, "/v1/variants/unload", json{{"name", "base"}}).status, 400);
 }
@@ -682,12 +812,14 @@ TEST_F(ServerTest, LoadAndUnloadOnlyInsideVariantsDir) {
 TEST_F(ServerTest, ConfigFileWithFineTuneDirectoryAndPins) {
   const TinyFamily& f = family();
   const fs::path config = scratch / "serve.json";
-  test::write_text(config, json{{"base", f.base.string()},
-                                {"cache_dir", (scratch / "cache").string()},
-                                {"max_running", 4},
-                                {"variants", {{{"name", "coder"}, {"path", f.delta("coder").string()}, {"pinned", true}},
-                                              {{"name", "tuned"}, {"path", (f.dir / "finetunes" / "math").string()}}}}}
-                                   .dump());
+  test::write_text(
+      config, json{{"base", f.base.string()},
+                   {"cache_dir", (scratch / "cache").string()},
+                   {"max_running", 4},
+                   {"variants",
+                    {{{"name", "coder"}, {"path", f.delta("coder").string()}, {"pinned", true}},
+                     {{"name", "tuned"}, {"path", (f.dir / "finetunes" / "math").string()}}}}}
+                  .dump());
   ServerProcess server({"--config", config.string()}, scratch / "config.log");
   EXPECT_TRUE(fs::exists(scratch / "cache" / "tuned.bitdelta")) << server.log();
   auto c = server.client();
@@ -699,7 +831,8 @@ TEST_F(ServerTest, ConfigFileWithFineTuneDirectoryAndPins) {
     }
   }
   // The fine-tune compressed on start answers like its delta file.
-  const json req = {{"prompt", "the sea"}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}};
+  const json req = {
+      {"prompt", "the sea"}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}};
   json a = req, b = req;
   a["model"] = "tuned";
   const auto tuned = post(c, "/v1/completions", a);
@@ -707,16 +840,20 @@ TEST_F(ServerTest, ConfigFileWithFineTuneDirectoryAndPins) {
   ServerProcess plain(family_args(f), scratch / "plain.log");
   auto pc = plain.client();
   b["model"] = "math";
-  EXPECT_EQ(post(pc, "/v1/completions", b).body["choices"][0]["text"], tuned.body["choices"][0]["text"]);
+  EXPECT_EQ(post(pc, "/v1/completions", b).body["choices"][0]["text"],
+            tuned.body["choices"][0]["text"]);
 }
 
 TEST_F(ServerTest, PortInUseIsAnError) {
   auto server = start();
-  const auto out = test::run_command("timeout 30 " + std::string(BITDELTA_CLI) + " serve " + family().base.string() +
-                                         " --port " + std::to_string(server->port()),
-                                     scratch.path());
+  const auto out =
+      test::run_command("timeout 30 " + std::string(BITDELTA_CLI) + " serve " +
+                            family().base.string() + " --port " + std::to_string(server->port()),
+                        scratch.path());
   EXPECT_EQ(out.exit_code, 1) << out.err;
-  EXPECT_NE(out.err.find("cannot listen on 127.0.0.1:" + std::to_string(server->port())), std::string::npos) << out.err;
+  EXPECT_NE(out.err.find("cannot listen on 127.0.0.1:" + std::to_string(server->port())),
+            std::string::npos)
+      << out.err;
 }
 
 TEST_F(ServerTest, SigtermShutsDownCleanly) {
@@ -732,11 +869,13 @@ TEST_F(ServerTest, OfficialOpenAINodeClient) {
   if (!fs::exists(node_dir / "node_modules/openai/package.json"))
     GTEST_SKIP() << "run: npm install --prefix tests/node";
   auto server = start({"--api-key", "node-key"});
-  const auto out = test::run_command("node " + (node_dir / "openai_client.mjs").string() + " http://127.0.0.1:" +
-                                         std::to_string(server->port()) + "/v1 node-key",
-                                     scratch.path());
+  const auto out =
+      test::run_command("node " + (node_dir / "openai_client.mjs").string() +
+                            " http://127.0.0.1:" + std::to_string(server->port()) + "/v1 node-key",
+                        scratch.path());
   EXPECT_EQ(out.exit_code, 0) << out.out << out.err << server->log();
-  EXPECT_NE(out.out.find("openai client: all checks passed"), std::string::npos) << out.out << out.err;
+  EXPECT_NE(out.out.find("openai client: all checks passed"), std::string::npos)
+      << out.out << out.err;
 }
 
 }  // namespace

@@ -2,9 +2,9 @@
 //   [--num-requests N] [--variants NAME=WEIGHT,...] [--prompts-file FILE | --input-len WORDS]
 //   [--output-len N] [--seed S] [--api-key KEY] [--json FILE]
 // Load generator against a running `bitdelta serve` (in the manner of `vllm bench serve`): requests
-// arrive as a Poisson process at --rate (or all at once), at most --concurrency in flight, each for a
-// variant drawn from the weighted mix; every request streams, so time to first token (TTFT), time per
-// output token (TPOT) and inter-token latency (ITL) are measured at the client.
+// arrive as a Poisson process at --rate (or all at once), at most --concurrency in flight, each for
+// a variant drawn from the weighted mix; every request streams, so time to first token (TTFT), time
+// per output token (TPOT) and inter-token latency (ITL) are measured at the client.
 #include <httplib.h>
 
 #include <algorithm>
@@ -33,7 +33,7 @@ using Clock = std::chrono::steady_clock;
 struct BenchArgs {
   std::string url = "http://127.0.0.1:8080";
   std::string endpoint = "completions";
-  double rate = 0;  // requests per second; 0 = all at once
+  double rate = 0;         // requests per second; 0 = all at once
   size_t concurrency = 0;  // 0 = unlimited
   size_t num_requests = 100;
   std::string variants = "base";
@@ -74,7 +74,8 @@ std::vector<std::pair<std::string, double>> parse_mix(const std::string& text) {
         fail("--variants: weight of '", name, "' is not a number");
       }
     }
-    if (name.empty() || !(w > 0)) fail("--variants: '", item, "' must be NAME or NAME=WEIGHT with WEIGHT > 0");
+    if (name.empty() || !(w > 0))
+      fail("--variants: '", item, "' must be NAME or NAME=WEIGHT with WEIGHT > 0");
     mix.emplace_back(name, w);
     at = comma + 1;
   }
@@ -94,9 +95,12 @@ std::vector<std::string> load_prompts(const BenchArgs& a, std::mt19937_64& rng) 
       if (line[0] == '{' || line[0] == '"') {
         try {
           const json j = json::parse(line);
-          if (j.is_string()) prompts.push_back(j.get<std::string>());
-          else if (j.is_object() && j.contains("prompt") && j["prompt"].is_string()) prompts.push_back(j["prompt"]);
-          else if (j.is_object() && j.contains("text") && j["text"].is_string()) prompts.push_back(j["text"]);
+          if (j.is_string())
+            prompts.push_back(j.get<std::string>());
+          else if (j.is_object() && j.contains("prompt") && j["prompt"].is_string())
+            prompts.push_back(j["prompt"]);
+          else if (j.is_object() && j.contains("text") && j["text"].is_string())
+            prompts.push_back(j["text"]);
           continue;
         } catch (const json::exception&) {
         }
@@ -107,11 +111,13 @@ std::vector<std::string> load_prompts(const BenchArgs& a, std::mt19937_64& rng) 
     return prompts;
   }
   // Random prompts: words drawn from a fixed list, so every run with the same seed sends the same.
-  static const char* kWords[] = {"the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was",
-                                 "on", "file", "be", "by", "this", "are", "from", "or", "which", "an", "at",
-                                 "not", "can", "function", "value", "return", "number", "page", "system",
-                                 "license", "section", "under", "program", "time", "line", "data", "set",
-                                 "user", "option", "output", "input", "error", "list", "name", "type", "word"};
+  static const char* kWords[] = {
+      "the",     "of",       "and",     "to",     "in",     "is",   "that",   "for",
+      "it",      "as",       "with",    "was",    "on",     "file", "be",     "by",
+      "this",    "are",      "from",    "or",     "which",  "an",   "at",     "not",
+      "can",     "function", "value",   "return", "number", "page", "system", "license",
+      "section", "under",    "program", "time",   "line",   "data", "set",    "user",
+      "option",  "output",   "input",   "error",  "list",   "name", "type",   "word"};
   std::uniform_int_distribution<size_t> pick(0, std::size(kWords) - 1);
   for (size_t i = 0; i < std::max<size_t>(a.num_requests, 1); ++i) {
     std::string p;
@@ -127,11 +133,17 @@ std::vector<std::string> load_prompts(const BenchArgs& a, std::mt19937_64& rng) 
 Outcome run_one(const BenchArgs& a, const std::string& variant, const std::string& prompt) {
   Outcome o;
   o.variant = variant;
-  json body = {{"model", variant}, {"max_tokens", a.output_len}, {"temperature", 0}, {"stream", true},
-               {"stream_options", {{"include_usage", true}}}, {"ignore_eos", a.ignore_eos}};
+  json body = {{"model", variant},
+               {"max_tokens", a.output_len},
+               {"temperature", 0},
+               {"stream", true},
+               {"stream_options", {{"include_usage", true}}},
+               {"ignore_eos", a.ignore_eos}};
   const bool chat = a.endpoint == "chat";
-  if (chat) body["messages"] = json::array({{{"role", "user"}, {"content", prompt}}});
-  else body["prompt"] = prompt;
+  if (chat)
+    body["messages"] = json::array({{{"role", "user"}, {"content", prompt}}});
+  else
+    body["prompt"] = prompt;
 
   httplib::Client client(a.url);
   client.set_read_timeout(600);
@@ -181,7 +193,8 @@ Outcome run_one(const BenchArgs& a, const std::string& variant, const std::strin
       if (!j.contains("choices") || j["choices"].empty()) continue;
       const auto& c = j["choices"][0];
       std::string text;
-      if (chat && c.contains("delta") && c["delta"].contains("content") && c["delta"]["content"].is_string())
+      if (chat && c.contains("delta") && c["delta"].contains("content") &&
+          c["delta"]["content"].is_string())
         text = c["delta"]["content"];
       if (!chat && c.contains("text") && c["text"].is_string()) text = c["text"];
       if (text.empty()) continue;
@@ -200,9 +213,12 @@ Outcome run_one(const BenchArgs& a, const std::string& variant, const std::strin
   httplib::Error err = httplib::Error::Success;
   const bool sent = client.send(req, res, err);
   o.e2e = std::chrono::duration<double>(Clock::now() - start).count();
-  if (!sent) o.error = "connection failed: " + httplib::to_string(err);
-  else if (status != 200) o.error = "HTTP " + std::to_string(status) + ": " + error_body.substr(0, 200);
-  else if (!done && o.error.empty()) o.error = "stream ended without [DONE]";
+  if (!sent)
+    o.error = "connection failed: " + httplib::to_string(err);
+  else if (status != 200)
+    o.error = "HTTP " + std::to_string(status) + ": " + error_body.substr(0, 200);
+  else if (!done && o.error.empty())
+    o.error = "stream ended without [DONE]";
   o.ok = o.error.empty();
   return o;
 }
@@ -223,7 +239,9 @@ double mean(const std::vector<double>& v) {
 }
 
 json stats_json(const std::vector<double>& v) {
-  return {{"mean_ms", mean(v) * 1e3}, {"p50_ms", percentile(v, 50) * 1e3}, {"p99_ms", percentile(v, 99) * 1e3}};
+  return {{"mean_ms", mean(v) * 1e3},
+          {"p50_ms", percentile(v, 50) * 1e3},
+          {"p99_ms", percentile(v, 99) * 1e3}};
 }
 
 json summary_json(const Summary& s, double duration) {
@@ -242,13 +260,14 @@ json summary_json(const Summary& s, double duration) {
 
 void print_summary(const std::string& title, const Summary& s, double duration) {
   std::printf("---- %s ----\n", title.c_str());
-  std::printf("  requests: %zu ok, %zu failed;  %.2f req/s\n", s.completed, s.failed, double(s.completed) / duration);
-  std::printf("  tokens:   %zu prompt, %zu generated;  %.1f output tok/s, %.1f total tok/s\n", s.prompt_tokens,
-              s.completion_tokens, double(s.completion_tokens) / duration,
+  std::printf("  requests: %zu ok, %zu failed;  %.2f req/s\n", s.completed, s.failed,
+              double(s.completed) / duration);
+  std::printf("  tokens:   %zu prompt, %zu generated;  %.1f output tok/s, %.1f total tok/s\n",
+              s.prompt_tokens, s.completion_tokens, double(s.completion_tokens) / duration,
               double(s.prompt_tokens + s.completion_tokens) / duration);
   const auto line = [](const char* name, const std::vector<double>& v) {
-    std::printf("  %-5s mean %9.2f ms   p50 %9.2f ms   p99 %9.2f ms\n", name, mean(v) * 1e3, percentile(v, 50) * 1e3,
-                percentile(v, 99) * 1e3);
+    std::printf("  %-5s mean %9.2f ms   p50 %9.2f ms   p99 %9.2f ms\n", name, mean(v) * 1e3,
+                percentile(v, 50) * 1e3, percentile(v, 99) * 1e3);
   };
   line("TTFT", s.ttft);
   line("TPOT", s.tpot);
@@ -271,7 +290,8 @@ void add(Summary& s, const Outcome& o) {
 }
 
 void run_bench(const BenchArgs& a) {
-  if (a.endpoint != "completions" && a.endpoint != "chat") fail("--endpoint must be completions or chat");
+  if (a.endpoint != "completions" && a.endpoint != "chat")
+    fail("--endpoint must be completions or chat");
   if (a.num_requests == 0) fail("--num-requests must be >= 1");
   if (a.rate < 0) fail("--rate must be >= 0");
   const auto mix = parse_mix(a.variants);
@@ -302,7 +322,8 @@ void run_bench(const BenchArgs& a) {
     if (a.rate > 0) t += gap(rng);
   }
 
-  const size_t workers = a.concurrency ? std::min(a.concurrency, a.num_requests) : std::min<size_t>(a.num_requests, 1024);
+  const size_t workers = a.concurrency ? std::min(a.concurrency, a.num_requests)
+                                       : std::min<size_t>(a.num_requests, 1024);
   std::mutex mutex;
   std::condition_variable cv;
   std::deque<size_t> ready;
@@ -311,11 +332,14 @@ void run_bench(const BenchArgs& a) {
   std::atomic<size_t> finished{0};
 
   char arrivals[64] = "all at once";
-  if (a.rate > 0) std::snprintf(arrivals, sizeof arrivals, "Poisson arrivals at %.2f req/s", a.rate);
-  std::printf("bench serve: %zu requests to %s (%s), %s, concurrency %s, mix %s, %zu-word prompts, %zu tokens out\n",
-              a.num_requests, a.url.c_str(), a.endpoint.c_str(), arrivals,
-              a.concurrency ? std::to_string(a.concurrency).c_str() : "unlimited", a.variants.c_str(),
-              a.prompts_file.empty() ? a.input_len : 0, a.output_len);
+  if (a.rate > 0)
+    std::snprintf(arrivals, sizeof arrivals, "Poisson arrivals at %.2f req/s", a.rate);
+  std::printf(
+      "bench serve: %zu requests to %s (%s), %s, concurrency %s, mix %s, %zu-word prompts, %zu "
+      "tokens out\n",
+      a.num_requests, a.url.c_str(), a.endpoint.c_str(), arrivals,
+      a.concurrency ? std::to_string(a.concurrency).c_str() : "unlimited", a.variants.c_str(),
+      a.prompts_file.empty() ? a.input_len : 0, a.output_len);
   const auto start = Clock::now();
   std::vector<std::thread> pool;
   for (size_t w = 0; w < workers; ++w)
@@ -331,11 +355,13 @@ void run_bench(const BenchArgs& a) {
         }
         outcomes[i] = run_one(a, plan[i].variant, *plan[i].prompt);
         const size_t n = ++finished;
-        if (n % std::max<size_t>(1, a.num_requests / 10) == 0) std::fprintf(stderr, "  %zu/%zu done\n", n, a.num_requests);
+        if (n % std::max<size_t>(1, a.num_requests / 10) == 0)
+          std::fprintf(stderr, "  %zu/%zu done\n", n, a.num_requests);
       }
     });
   for (size_t i = 0; i < plan.size(); ++i) {
-    std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(plan[i].at)));
+    std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
+                                              std::chrono::duration<double>(plan[i].at)));
     {
       std::lock_guard lock(mutex);
       ready.push_back(i);
@@ -361,13 +387,22 @@ void run_bench(const BenchArgs& a) {
   std::printf("duration %.2f s\n", duration);
   for (const auto& [name, s] : per) print_summary("variant " + name, s, duration);
   print_summary("overall", overall, duration);
-  for (const auto& [name, e] : first_error) std::printf("first error for %s: %s\n", name.c_str(), e.c_str());
+  for (const auto& [name, e] : first_error)
+    std::printf("first error for %s: %s\n", name.c_str(), e.c_str());
 
   if (!a.json_out.empty()) {
-    json j = {{"url", a.url}, {"endpoint", a.endpoint}, {"rate", a.rate}, {"concurrency", a.concurrency},
-              {"num_requests", a.num_requests}, {"variants", a.variants}, {"input_len", a.input_len},
-              {"output_len", a.output_len}, {"prompts_file", a.prompts_file}, {"seed", a.seed},
-              {"duration_s", duration}, {"overall", summary_json(overall, duration)}};
+    json j = {{"url", a.url},
+              {"endpoint", a.endpoint},
+              {"rate", a.rate},
+              {"concurrency", a.concurrency},
+              {"num_requests", a.num_requests},
+              {"variants", a.variants},
+              {"input_len", a.input_len},
+              {"output_len", a.output_len},
+              {"prompts_file", a.prompts_file},
+              {"seed", a.seed},
+              {"duration_s", duration},
+              {"overall", summary_json(overall, duration)}};
     for (const auto& [name, s] : per) j["per_variant"][name] = summary_json(s, duration);
     std::ofstream out(a.json_out);
     if (!out) fail("--json: cannot write ", a.json_out);
@@ -382,19 +417,26 @@ void add_bench_command(CLI::App& app) {
   auto* bench = app.add_subcommand("bench", "Benchmarks against a running server");
   bench->require_subcommand(1);
   auto a = std::make_shared<BenchArgs>();
-  auto* cmd = bench->add_subcommand("serve", "Load-test a running `bitdelta serve`: throughput, TTFT, TPOT, ITL");
+  auto* cmd = bench->add_subcommand(
+      "serve", "Load-test a running `bitdelta serve`: throughput, TTFT, TPOT, ITL");
   cmd->add_option("--url", a->url, "Server base URL")->capture_default_str();
   cmd->add_option("--endpoint", a->endpoint, "completions or chat")->capture_default_str();
-  cmd->add_option("--rate", a->rate, "Poisson arrival rate in requests/s (0: all at once)")->capture_default_str();
-  cmd->add_option("--concurrency", a->concurrency, "Most requests in flight (0: unlimited)")->capture_default_str();
+  cmd->add_option("--rate", a->rate, "Poisson arrival rate in requests/s (0: all at once)")
+      ->capture_default_str();
+  cmd->add_option("--concurrency", a->concurrency, "Most requests in flight (0: unlimited)")
+      ->capture_default_str();
   cmd->add_option("--num-requests", a->num_requests, "Requests to send")->capture_default_str();
-  cmd->add_option("--variants", a->variants, "Model mix, e.g. base=1,coder=2,math=1")->capture_default_str();
-  cmd->add_option("--prompts-file", a->prompts_file, "One prompt per line (text or JSON {\"prompt\"})");
+  cmd->add_option("--variants", a->variants, "Model mix, e.g. base=1,coder=2,math=1")
+      ->capture_default_str();
+  cmd->add_option("--prompts-file", a->prompts_file,
+                  "One prompt per line (text or JSON {\"prompt\"})");
   cmd->add_option("--input-len", a->input_len, "Words per random prompt")->capture_default_str();
   cmd->add_option("--output-len", a->output_len, "max_tokens per request")->capture_default_str();
-  cmd->add_option("--seed", a->seed, "Seed of the plan (variants, prompts, arrivals)")->capture_default_str();
+  cmd->add_option("--seed", a->seed, "Seed of the plan (variants, prompts, arrivals)")
+      ->capture_default_str();
   cmd->add_option("--api-key", a->api_key, "Sent as Authorization: Bearer KEY");
-  cmd->add_flag("!--stop-at-eos", a->ignore_eos, "Let requests end at EOS (default: generate --output-len tokens)");
+  cmd->add_flag("!--stop-at-eos", a->ignore_eos,
+                "Let requests end at EOS (default: generate --output-len tokens)");
   cmd->add_option("--json", a->json_out, "Also write the results as JSON to this file");
   cmd->callback([a] { run_bench(*a); });
 }

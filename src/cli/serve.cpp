@@ -1,5 +1,6 @@
 // bitdelta serve [BASE] [--variant NAME=DELTA_OR_FT_DIR ...] [--config FILE] [--host H] [--port P]
-//   [--api-key KEY] [--max-batch-tokens N] [--max-running N] [--max-queue N] [--delta-cache-bytes B]
+//   [--api-key KEY] [--max-batch-tokens N] [--max-running N] [--max-queue N] [--delta-cache-bytes
+//   B]
 //   [--pin NAME ...] [--protect-top N] [--variants-dir DIR] [--cache-dir DIR] [--threads N]
 // With no BASE and no config it serves the demo family: models/demo/base and its four fine-tunes,
 // compressed once into build/demo/<name>.bitdelta.
@@ -55,10 +56,14 @@ uint64_t parse_bytes(const std::string& text, const char* field) {
   std::string unit = text.substr(used);
   if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
   double scale = 1;
-  if (unit == "K" || unit == "k") scale = 1024.0;
-  else if (unit == "M" || unit == "m") scale = 1024.0 * 1024;
-  else if (unit == "G" || unit == "g") scale = 1024.0 * 1024 * 1024;
-  else if (!unit.empty()) fail(field, ": unknown unit in '", text, "' (use K, M or G)");
+  if (unit == "K" || unit == "k")
+    scale = 1024.0;
+  else if (unit == "M" || unit == "m")
+    scale = 1024.0 * 1024;
+  else if (unit == "G" || unit == "g")
+    scale = 1024.0 * 1024 * 1024;
+  else if (!unit.empty())
+    fail(field, ": unknown unit in '", text, "' (use K, M or G)");
   if (!(v >= 0) || v * scale > 1.8e19) fail(field, ": '", text, "' is out of range");
   return uint64_t(v * scale);
 }
@@ -82,7 +87,9 @@ void read_config(const fs::path& file, ServeArgs& a, std::vector<VariantSpec>& v
   }
   if (!c.is_object()) fail(file.string(), ": must be a JSON object");
   const fs::path dir = file.parent_path();
-  const auto rel = [&](const std::string& p) { return fs::path(p).is_relative() ? dir / p : fs::path(p); };
+  const auto rel = [&](const std::string& p) {
+    return fs::path(p).is_relative() ? dir / p : fs::path(p);
+  };
   const auto get = [&](const char* key, auto& out) {
     if (!c.contains(key)) return;
     try {
@@ -114,7 +121,8 @@ void read_config(const fs::path& file, ServeArgs& a, std::vector<VariantSpec>& v
   get("cache_dir", cdir);
   if (!cdir.empty()) a.cache_dir = rel(cdir).string();
   if (c.contains("variants")) {
-    if (!c["variants"].is_array()) fail(file.string(), ": variants must be a list of {name, path, pinned}");
+    if (!c["variants"].is_array())
+      fail(file.string(), ": variants must be a list of {name, path, pinned}");
     for (size_t i = 0; i < c["variants"].size(); ++i) {
       const auto& v = c["variants"][i];
       if (!v.is_object() || !v.contains("name") || !v["name"].is_string() || !v.contains("path") ||
@@ -122,7 +130,8 @@ void read_config(const fs::path& file, ServeArgs& a, std::vector<VariantSpec>& v
         fail(file.string(), ": variants[", i, "] must have a string name and path");
       VariantSpec spec{v["name"].get<std::string>(), rel(v["path"].get<std::string>()), false};
       if (v.contains("pinned")) {
-        if (!v["pinned"].is_boolean()) fail(file.string(), ": variants[", i, "].pinned must be a boolean");
+        if (!v["pinned"].is_boolean())
+          fail(file.string(), ": variants[", i, "].pinned must be a boolean");
         spec.pinned = v["pinned"].get<bool>();
       }
       variants.push_back(std::move(spec));
@@ -139,26 +148,32 @@ fs::file_time_type newest_file(const fs::path& dir) {
 
 // A fine-tune directory becomes a delta file in the cache, compressed again only when a file of the
 // fine-tune or the base is newer than the cached delta.
-fs::path delta_for(const VariantSpec& v, const fs::path& base, const fs::path& cache_dir, size_t threads) {
+fs::path delta_for(const VariantSpec& v, const fs::path& base, const fs::path& cache_dir,
+                   size_t threads) {
   if (!fs::is_directory(v.path)) {
     if (!fs::exists(v.path)) fail("variant ", v.name, ": ", v.path.string(), " does not exist");
     return v.path;
   }
   const fs::path out = cache_dir / (v.name + ".bitdelta");
-  if (fs::exists(out) && fs::last_write_time(out) >= std::max(newest_file(v.path), newest_file(base))) return out;
+  if (fs::exists(out) &&
+      fs::last_write_time(out) >= std::max(newest_file(v.path), newest_file(base)))
+    return out;
   fs::create_directories(cache_dir);
-  std::fprintf(stderr, "compressing %s against %s -> %s\n", v.path.c_str(), base.c_str(), out.c_str());
+  std::fprintf(stderr, "compressing %s against %s -> %s\n", v.path.c_str(), base.c_str(),
+               out.c_str());
   CompressOptions options;
   options.threads = threads;
   options.created_by = std::string("bitdelta ") + BITDELTA_VERSION;
   const auto report = compress(Checkpoint(base), Checkpoint(v.path), out, options);
-  std::fprintf(stderr, "  %s in %.1fs\n", human_bytes(double(report.output_bytes)).c_str(), report.seconds);
+  std::fprintf(stderr, "  %s in %.1fs\n", human_bytes(double(report.output_bytes)).c_str(),
+               report.seconds);
   return out;
 }
 
-// Ctrl-C and SIGTERM: the handler only writes a byte to a pipe (async-signal-safe); a watcher thread
-// reads it and asks the server to stop. (sigwait with the signals blocked is not enough: libraries
-// such as OpenBLAS start threads before main, and the kernel may deliver the signal to one of those.)
+// Ctrl-C and SIGTERM: the handler only writes a byte to a pipe (async-signal-safe); a watcher
+// thread reads it and asks the server to stop. (sigwait with the signals blocked is not enough:
+// libraries such as OpenBLAS start threads before main, and the kernel may deliver the signal to
+// one of those.)
 int g_signal_pipe[2] = {-1, -1};  // the one global: a signal handler can reach nothing else
 
 extern "C" void on_stop_signal(int sig) {
@@ -211,24 +226,36 @@ class SignalWatcher {
 
 void add_serve_command(CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
-  auto* cmd = app.add_subcommand("serve", "Serve the base and its variants through an OpenAI-compatible HTTP API");
-  cmd->add_option("BASE", a->base, "Base checkpoint directory (default: models/demo/base with the demo variants)");
-  cmd->add_option("--variant", a->variant_args, "NAME=PATH: a .bitdelta file or a fine-tune directory (repeatable)");
-  cmd->add_option("--config", a->config, R"(JSON file: {"base", "variants": [{"name", "path", "pinned"}], options...})");
+  auto* cmd = app.add_subcommand(
+      "serve", "Serve the base and its variants through an OpenAI-compatible HTTP API");
+  cmd->add_option("BASE", a->base,
+                  "Base checkpoint directory (default: models/demo/base with the demo variants)");
+  cmd->add_option("--variant", a->variant_args,
+                  "NAME=PATH: a .bitdelta file or a fine-tune directory (repeatable)");
+  cmd->add_option("--config", a->config,
+                  R"(JSON file: {"base", "variants": [{"name", "path", "pinned"}], options...})");
   cmd->add_option("--host", a->server.host, "Address to listen on")->capture_default_str();
   cmd->add_option("--port", a->server.port, "Port (0: any free port)")->capture_default_str();
   cmd->add_option("--api-key", a->server.api_key, "Require Authorization: Bearer KEY on /v1/*");
-  cmd->add_option("--base-name", a->engine.base_name, "Model name of the base")->capture_default_str();
-  cmd->add_option("--max-batch-tokens", a->engine.max_batch_tokens, "Rows per forward step")->capture_default_str();
-  cmd->add_option("--max-running", a->engine.max_running, "Sequences decoding at once")->capture_default_str();
-  cmd->add_option("--max-queue", a->engine.max_queue, "Waiting requests before 429")->capture_default_str();
-  cmd->add_option("--delta-cache-bytes", a->delta_cache_bytes, "Resident delta budget, e.g. 512M (default: unlimited)");
+  cmd->add_option("--base-name", a->engine.base_name, "Model name of the base")
+      ->capture_default_str();
+  cmd->add_option("--max-batch-tokens", a->engine.max_batch_tokens, "Rows per forward step")
+      ->capture_default_str();
+  cmd->add_option("--max-running", a->engine.max_running, "Sequences decoding at once")
+      ->capture_default_str();
+  cmd->add_option("--max-queue", a->engine.max_queue, "Waiting requests before 429")
+      ->capture_default_str();
+  cmd->add_option("--delta-cache-bytes", a->delta_cache_bytes,
+                  "Resident delta budget, e.g. 512M (default: unlimited)");
   cmd->add_option("--pin", a->engine.pinned, "Variant never evicted (repeatable)");
-  cmd->add_option("--protect-top", a->engine.protect_top, "The N most requested variants are never evicted");
-  cmd->add_option("--variants-dir", a->variants_dir, "Directory /v1/variants/load may read from (default: loading off)");
+  cmd->add_option("--protect-top", a->engine.protect_top,
+                  "The N most requested variants are never evicted");
+  cmd->add_option("--variants-dir", a->variants_dir,
+                  "Directory /v1/variants/load may read from (default: loading off)");
   cmd->add_option("--cache-dir", a->cache_dir, "Where fine-tune directories are compressed to");
   cmd->add_option("--threads", a->engine.threads, "Compute threads (0: all cores)");
-  cmd->add_option("--http-threads", a->server.http_threads, "Connections served at once")->capture_default_str();
+  cmd->add_option("--http-threads", a->server.http_threads, "Connections served at once")
+      ->capture_default_str();
   cmd->callback([a, cmd] {
     ServeArgs args;
     std::vector<VariantSpec> variants;
@@ -256,20 +283,23 @@ void add_serve_command(CLI::App& app) {
     if (args.base.empty()) {
       // The demo family, relative to the current directory; its deltas go to build/, never models/.
       args.base = "models/demo/base";
-      if (!fs::exists(args.base)) fail("no BASE given and ", args.base, " does not exist (run from the repository root)");
+      if (!fs::exists(args.base))
+        fail("no BASE given and ", args.base, " does not exist (run from the repository root)");
       if (variants.empty())
         for (const char* name : {"coder", "math", "writer", "legal"})
           variants.push_back({name, fs::path("models/demo") / name, false});
       if (cache_dir.empty()) cache_dir = "build/demo";
     }
     if (cache_dir.empty()) cache_dir = fs::temp_directory_path() / "bitdelta-cache";
-    if (!args.delta_cache_bytes.empty()) args.engine.delta_cache_bytes = parse_bytes(args.delta_cache_bytes, "--delta-cache-bytes");
+    if (!args.delta_cache_bytes.empty())
+      args.engine.delta_cache_bytes = parse_bytes(args.delta_cache_bytes, "--delta-cache-bytes");
     for (const auto& v : variants)
       if (v.pinned) args.engine.pinned.push_back(v.name);
     args.server.variants_dir = args.variants_dir;
 
     std::vector<std::pair<std::string, fs::path>> deltas;
-    for (const auto& v : variants) deltas.emplace_back(v.name, delta_for(v, args.base, cache_dir, args.engine.threads));
+    for (const auto& v : variants)
+      deltas.emplace_back(v.name, delta_for(v, args.base, cache_dir, args.engine.threads));
     for (const auto& p : args.engine.pinned) {
       bool found = p == args.engine.base_name;
       for (const auto& v : variants) found |= v.name == p;

@@ -53,7 +53,8 @@ bool authorized(const Context& ctx, const httplib::Request& req) {
 
 }  // namespace
 
-Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<Impl>(engine, std::move(options))) {
+Server::Server(Engine& engine, ServerOptions options)
+    : impl_(std::make_unique<Impl>(engine, std::move(options))) {
   Context& ctx = impl_->ctx;
   httplib::Server& http = impl_->http;
   ctx.started = int64_t(std::time(nullptr));
@@ -66,8 +67,10 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
   bool known = true;
   ctx.chat_template = ChatTemplate::from_checkpoint(engine.base_dir(), &known);
   if (!known)
-    std::fprintf(stderr, "[serve] the chat template in %s is not a family we know; chat uses the plain format\n",
-                 (engine.base_dir() / "tokenizer_config.json").c_str());
+    std::fprintf(
+        stderr,
+        "[serve] the chat template in %s is not a family we know; chat uses the plain format\n",
+        (engine.base_dir() / "tokenizer_config.json").c_str());
   if (!ctx.options.variants_dir.empty()) {
     std::error_code ec;
     ctx.variants_root = std::filesystem::canonical(ctx.options.variants_dir, ec);
@@ -90,7 +93,8 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
 
   http.set_pre_routing_handler([&ctx](const httplib::Request& req, httplib::Response& res) {
     if (req.path.rfind("/v1/", 0) == 0 && !authorized(ctx, req)) {
-      server::send_error(ctx, res, "auth", 401, "invalid or missing API key (send Authorization: Bearer <key>)",
+      server::send_error(ctx, res, "auth", 401,
+                         "invalid or missing API key (send Authorization: Bearer <key>)",
                          "invalid_api_key");
       return httplib::Server::HandlerResponse::Handled;
     }
@@ -104,7 +108,8 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
         handler(req, res);
       } catch (const std::exception& e) {
         server::send_error(ctx, res, req.path, 500, str("internal error: ", e.what()));
-        std::fprintf(stderr, "[serve] %s status=500 internal error: %s\n", req.path.c_str(), e.what());
+        std::fprintf(stderr, "[serve] %s status=500 internal error: %s\n", req.path.c_str(),
+                     e.what());
       } catch (...) {
         server::send_error(ctx, res, req.path, 500, "internal error");
         std::fprintf(stderr, "[serve] %s status=500 internal error\n", req.path.c_str());
@@ -114,7 +119,8 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
   http.Post("/v1/completions", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
               server::handle_generation(ctx, req, res, server::Endpoint::kCompletions);
             }));
-  http.Post("/v1/chat/completions", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+  http.Post("/v1/chat/completions",
+            guard([&ctx](const httplib::Request& req, httplib::Response& res) {
               server::handle_generation(ctx, req, res, server::Endpoint::kChat);
             }));
   http.Get("/v1/models", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
@@ -123,7 +129,8 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
   http.Post("/v1/variants/load", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
               server::handle_load(ctx, req, res);
             }));
-  http.Post("/v1/variants/unload", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+  http.Post("/v1/variants/unload",
+            guard([&ctx](const httplib::Request& req, httplib::Response& res) {
               server::handle_unload(ctx, req, res);
             }));
   http.Get("/health", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
@@ -135,22 +142,29 @@ Server::Server(Engine& engine, ServerOptions options) : impl_(std::make_unique<I
 
   // Responses httplib makes itself (unknown route 404, too large 413, bad request line 400) get a
   // body in the API's error shape.
-  http.set_error_handler(httplib::Server::HandlerWithResponse([&ctx](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty() || res.content_length_ > 0) return httplib::Server::HandlerResponse::Unhandled;
-    std::string message = str("HTTP ", res.status);
-    if (res.status == 404) message = str("no route ", req.method, " ", req.path);
-    if (res.status == 413) message = str("request body is larger than ", ctx.options.max_body_bytes, " bytes");
-    res.set_content(server::dump(server::error_body(res.status, message, server::error_type_for(res.status), "")),
-                    "application/json");
-    ctx.http.count("other", res.status);
-    return httplib::Server::HandlerResponse::Handled;
-  }));
-  http.set_exception_handler([&ctx](const httplib::Request& req, httplib::Response& res, std::exception_ptr) {
-    server::send_error(ctx, res, req.path, 500, "internal error");
-  });
+  http.set_error_handler(httplib::Server::HandlerWithResponse(
+      [&ctx](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty() || res.content_length_ > 0)
+          return httplib::Server::HandlerResponse::Unhandled;
+        std::string message = str("HTTP ", res.status);
+        if (res.status == 404) message = str("no route ", req.method, " ", req.path);
+        if (res.status == 413)
+          message = str("request body is larger than ", ctx.options.max_body_bytes, " bytes");
+        res.set_content(server::dump(server::error_body(res.status, message,
+                                                        server::error_type_for(res.status), "")),
+                        "application/json");
+        ctx.http.count("other", res.status);
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  http.set_exception_handler(
+      [&ctx](const httplib::Request& req, httplib::Response& res, std::exception_ptr) {
+        server::send_error(ctx, res, req.path, 500, "internal error");
+      });
 }
 
-Server::~Server() { stop(); }
+Server::~Server() {
+  stop();
+}
 
 int Server::bind() {
   auto& o = impl_->ctx.options;

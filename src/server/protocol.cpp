@@ -12,9 +12,13 @@ namespace {
 constexpr int64_t kMaxLogprobs = 20;
 constexpr size_t kMaxStops = 16;
 
-[[noreturn]] void bad(const std::string& message) { throw ApiError(400, message); }
+[[noreturn]] void bad(const std::string& message) {
+  throw ApiError(400, message);
+}
 
-bool present(const json& body, const char* field) { return body.contains(field) && !body[field].is_null(); }
+bool present(const json& body, const char* field) {
+  return body.contains(field) && !body[field].is_null();
+}
 
 bool get_bool(const json& body, const char* field, bool fallback) {
   if (!present(body, field)) return fallback;
@@ -59,7 +63,8 @@ void check_token(const Tokenizer& tokenizer, const json& v, const std::string& f
   (void)get_int(v, field, 0, int64_t(tokenizer.vocab_size()) - 1);
 }
 
-std::vector<int32_t> token_ids(const Tokenizer& tokenizer, const json& array, const std::string& field) {
+std::vector<int32_t> token_ids(const Tokenizer& tokenizer, const json& array,
+                               const std::string& field) {
   std::vector<int32_t> ids;
   ids.reserve(array.size());
   for (size_t i = 0; i < array.size(); ++i) {
@@ -91,7 +96,8 @@ std::string message_content(const json& m, size_t i) {
     const std::string pf = str(field, "[", k, "]");
     if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
       bad(pf + " must be an object with a type");
-    if (part["type"] != "text") bad(str(pf, ".type '", part["type"].get<std::string>(), "' is not supported (only text)"));
+    if (part["type"] != "text")
+      bad(str(pf, ".type '", part["type"].get<std::string>(), "' is not supported (only text)"));
     if (!part.contains("text") || !part["text"].is_string()) bad(pf + ".text must be a string");
     text += part["text"].get<std::string>();
   }
@@ -136,7 +142,8 @@ void parse_messages(const json& body, const ModelInfo& model, ParsedRequest& r) 
   for (size_t i = 0; i < ms.size(); ++i) {
     const auto& m = ms[i];
     if (!m.is_object()) bad(str("messages[", i, "] must be an object with role and content"));
-    if (!m.contains("role") || !m["role"].is_string()) bad(str("messages[", i, "].role must be a string"));
+    if (!m.contains("role") || !m["role"].is_string())
+      bad(str("messages[", i, "].role must be a string"));
     std::string role = m["role"].get<std::string>();
     if (role == "developer") role = "system";  // newer OpenAI clients' name for system instructions
     messages.push_back({role, message_content(m, i)});
@@ -191,16 +198,20 @@ void parse_sampling(const json& body, ParsedRequest& r) {
   if (!(s.repetition_penalty > 0)) bad("repetition_penalty must be > 0");
   if (present(body, "seed")) {
     const json& v = body["seed"];
-    if (v.is_number_unsigned()) s.seed = v.get<uint64_t>();
-    else if (v.is_number_integer()) s.seed = uint64_t(v.get<int64_t>());
-    else bad("seed must be an integer");
+    if (v.is_number_unsigned())
+      s.seed = v.get<uint64_t>();
+    else if (v.is_number_integer())
+      s.seed = uint64_t(v.get<int64_t>());
+    else
+      bad("seed must be an integer");
   } else {
     // No seed: every request draws differently, as the OpenAI API does.
     s.seed = std::random_device{}() * 0x100000001ull + std::random_device{}();
   }
   for (const char* f : {"presence_penalty", "frequency_penalty"})
     if (get_number(body, f, 0.0) != 0) bad(str(f, " is not supported (use repetition_penalty)"));
-  if (present(body, "logit_bias") && !(body["logit_bias"].is_object() && body["logit_bias"].empty()))
+  if (present(body, "logit_bias") &&
+      !(body["logit_bias"].is_object() && body["logit_bias"].empty()))
     bad("logit_bias is not supported");
   try {
     s.validate();
@@ -213,17 +224,25 @@ void parse_sampling(const json& body, ParsedRequest& r) {
 
 std::string error_type_for(int status) {
   switch (status) {
-    case 401: return "authentication_error";
-    case 403: return "permission_error";
-    case 404: return "not_found_error";
-    case 409: return "conflict_error";
-    case 429: return "rate_limit_error";
-    case 503: return "service_unavailable";
-    default: return status >= 500 ? "server_error" : "invalid_request_error";
+    case 401:
+      return "authentication_error";
+    case 403:
+      return "permission_error";
+    case 404:
+      return "not_found_error";
+    case 409:
+      return "conflict_error";
+    case 429:
+      return "rate_limit_error";
+    case 503:
+      return "service_unavailable";
+    default:
+      return status >= 500 ? "server_error" : "invalid_request_error";
   }
 }
 
-json error_body(int status, const std::string& message, const std::string& type, const std::string& code) {
+json error_body(int status, const std::string& message, const std::string& type,
+                const std::string& code) {
   return {{"error",
            {{"message", message},
             {"type", type.empty() ? error_type_for(status) : type},
@@ -251,28 +270,34 @@ ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelI
   } else {
     r.engine.model = model.base_name;
   }
-  if (chat) parse_messages(body, model, r);
-  else parse_prompt(body, model, r);
+  if (chat)
+    parse_messages(body, model, r);
+  else
+    parse_prompt(body, model, r);
   if (r.engine.prompt.size() >= model.context)
-    bad(str("prompt has ", r.engine.prompt.size(), " tokens, but the model's context is ", model.context,
-            " tokens (max_position_embeddings)"));
+    bad(str("prompt has ", r.engine.prompt.size(), " tokens, but the model's context is ",
+            model.context, " tokens (max_position_embeddings)"));
 
   for (const char* f : {"n", "best_of"})
     if (present(body, f) && get_int(body[f], f, 1, INT64_MAX) != 1)
       bad(str(f, " must be 1 (one choice per request)"));
   for (const char* f : {"tools", "functions"})
-    if (present(body, f) && !(body[f].is_array() && body[f].empty())) bad(str(f, " are not supported"));
+    if (present(body, f) && !(body[f].is_array() && body[f].empty()))
+      bad(str(f, " are not supported"));
   if (present(body, "response_format")) {
     const json& rf = body["response_format"];
-    if (!rf.is_object() || rf.value("type", "") != "text") bad("response_format: only {\"type\": \"text\"} is supported");
+    if (!rf.is_object() || rf.value("type", "") != "text")
+      bad("response_format: only {\"type\": \"text\"} is supported");
   }
-  if (present(body, "suffix") && !(body["suffix"].is_string() && body["suffix"].get<std::string>().empty()))
+  if (present(body, "suffix") &&
+      !(body["suffix"].is_string() && body["suffix"].get<std::string>().empty()))
     bad("suffix is not supported");
 
   // max_tokens: explicit values must fit the context; the default fills what is left (chat) or is
   // 16 (completions, as in the OpenAI API), cut to what fits.
   const size_t room = model.context - r.engine.prompt.size();
-  const char* max_field = chat && present(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+  const char* max_field =
+      chat && present(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   if (present(body, max_field)) {
     const auto m = size_t(get_int(body[max_field], max_field, 1, INT64_MAX));
     if (m > room)
@@ -294,12 +319,14 @@ ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelI
   if (chat) {
     r.logprobs = get_bool(body, "logprobs", false);
     if (present(body, "top_logprobs")) {
-      r.engine.top_logprobs = size_t(get_int(body["top_logprobs"], "top_logprobs", 0, kMaxLogprobs));
+      r.engine.top_logprobs =
+          size_t(get_int(body["top_logprobs"], "top_logprobs", 0, kMaxLogprobs));
       if (!r.logprobs && r.engine.top_logprobs > 0) bad("top_logprobs requires logprobs: true");
     }
   } else {
     if (present(body, "logprobs")) {
-      if (body["logprobs"].is_boolean()) bad(str("logprobs must be an integer between 0 and ", kMaxLogprobs));
+      if (body["logprobs"].is_boolean())
+        bad(str("logprobs must be an integer between 0 and ", kMaxLogprobs));
       r.engine.top_logprobs = size_t(get_int(body["logprobs"], "logprobs", 0, kMaxLogprobs));
       r.logprobs = true;
     }
@@ -342,15 +369,21 @@ std::string token_text(const Tokenizer& tokenizer, int32_t id) {
   return out;
 }
 
-ResponseBuilder::ResponseBuilder(const ParsedRequest& request, const Tokenizer& tokenizer, std::string id, int64_t created)
+ResponseBuilder::ResponseBuilder(const ParsedRequest& request, const Tokenizer& tokenizer,
+                                 std::string id, int64_t created)
     : request_(request), tokenizer_(tokenizer), id_(std::move(id)), created_(created) {}
 
-void ResponseBuilder::set_prompt_logprobs(const std::vector<float>& logprobs) { prompt_logprobs_ = logprobs; }
+void ResponseBuilder::set_prompt_logprobs(const std::vector<float>& logprobs) {
+  prompt_logprobs_ = logprobs;
+}
 
 json ResponseBuilder::chunk(json choice) const {
   const bool chat = request_.endpoint == Endpoint::kChat;
-  json c = {{"id", id_}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created_},
-            {"model", request_.engine.model}, {"choices", json::array({std::move(choice)})}};
+  json c = {{"id", id_},
+            {"object", chat ? "chat.completion.chunk" : "text_completion"},
+            {"created", created_},
+            {"model", request_.engine.model},
+            {"choices", json::array({std::move(choice)})}};
   if (request_.include_usage) c["usage"] = nullptr;
   return c;
 }
@@ -408,7 +441,10 @@ json ResponseBuilder::legacy_logprobs(size_t from, size_t text_offset, bool with
     tops.push_back(std::move(top));
     offsets.push_back(text_offset + offsets_[i]);
   }
-  return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+  return {{"tokens", tokens},
+          {"token_logprobs", lps},
+          {"top_logprobs", tops},
+          {"text_offset", offsets}};
 }
 
 json ResponseBuilder::add_token(const TokenLogprob& token, const std::string& text) {
@@ -429,9 +465,13 @@ json ResponseBuilder::add_token(const TokenLogprob& token, const std::string& te
     json lp = nullptr;
     if (request_.logprobs) {
       lp = json{{"content", json::array()}};
-      for (size_t i = from; i < tokens_.size(); ++i) lp["content"].push_back(chat_logprob(tokens_[i]));
+      for (size_t i = from; i < tokens_.size(); ++i)
+        lp["content"].push_back(chat_logprob(tokens_[i]));
     }
-    return chunk({{"index", 0}, {"delta", {{"content", piece}}}, {"logprobs", lp}, {"finish_reason", nullptr}});
+    return chunk({{"index", 0},
+                  {"delta", {{"content", piece}}},
+                  {"logprobs", lp},
+                  {"finish_reason", nullptr}});
   }
   const size_t base = request_.echo ? request_.echo_text.size() : 0;
   json lp = nullptr;
@@ -443,7 +483,9 @@ json ResponseBuilder::add_token(const TokenLogprob& token, const std::string& te
 
 std::optional<json> ResponseBuilder::first_chunk() {
   if (request_.endpoint == Endpoint::kChat)
-    return chunk({{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
+    return chunk({{"index", 0},
+                  {"delta", {{"role", "assistant"}, {"content", ""}}},
+                  {"logprobs", nullptr},
                   {"finish_reason", nullptr}});
   if (!request_.echo) return std::nullopt;
   json lp = nullptr;
@@ -451,21 +493,27 @@ std::optional<json> ResponseBuilder::first_chunk() {
     // Only the prompt part: generated tokens have not arrived yet.
     lp = legacy_logprobs(0, 0, true);
   }
-  return chunk({{"index", 0}, {"text", request_.echo_text}, {"logprobs", lp}, {"finish_reason", nullptr}});
+  return chunk(
+      {{"index", 0}, {"text", request_.echo_text}, {"logprobs", lp}, {"finish_reason", nullptr}});
 }
 
 json ResponseBuilder::final_chunk(FinishReason reason) {
   const char* why = reason == FinishReason::kLength ? "length" : "stop";
   // Text held back by the engine until the end arrives with on_token; nothing is left to send here.
   if (request_.endpoint == Endpoint::kChat)
-    return chunk({{"index", 0}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", why}});
+    return chunk(
+        {{"index", 0}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", why}});
   return chunk({{"index", 0}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", why}});
 }
 
 json ResponseBuilder::usage_chunk(const Usage& usage) {
   const bool chat = request_.endpoint == Endpoint::kChat;
-  return {{"id", id_}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created_},
-          {"model", request_.engine.model}, {"choices", json::array()}, {"usage", usage_json(usage)}};
+  return {{"id", id_},
+          {"object", chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created_},
+          {"model", request_.engine.model},
+          {"choices", json::array()},
+          {"usage", usage_json(usage)}};
 }
 
 json ResponseBuilder::finish(FinishReason reason, const Usage& usage) {
@@ -477,16 +525,26 @@ json ResponseBuilder::finish(FinishReason reason, const Usage& usage) {
       lp = json{{"content", json::array()}};
       for (const auto& t : tokens_) lp["content"].push_back(chat_logprob(t));
     }
-    choice = {{"index", 0}, {"message", {{"role", "assistant"}, {"content", text_}}}, {"logprobs", lp},
+    choice = {{"index", 0},
+              {"message", {{"role", "assistant"}, {"content", text_}}},
+              {"logprobs", lp},
               {"finish_reason", why}};
   } else {
     json lp = nullptr;
-    if (request_.logprobs) lp = legacy_logprobs(0, request_.echo ? request_.echo_text.size() : 0, request_.echo);
-    choice = {{"index", 0}, {"text", request_.echo_text + text_}, {"logprobs", lp}, {"finish_reason", why}};
+    if (request_.logprobs)
+      lp = legacy_logprobs(0, request_.echo ? request_.echo_text.size() : 0, request_.echo);
+    choice = {{"index", 0},
+              {"text", request_.echo_text + text_},
+              {"logprobs", lp},
+              {"finish_reason", why}};
   }
   const bool chat = request_.endpoint == Endpoint::kChat;
-  return {{"id", id_}, {"object", chat ? "chat.completion" : "text_completion"}, {"created", created_},
-          {"model", request_.engine.model}, {"choices", json::array({std::move(choice)})}, {"usage", usage_json(usage)}};
+  return {{"id", id_},
+          {"object", chat ? "chat.completion" : "text_completion"},
+          {"created", created_},
+          {"model", request_.engine.model},
+          {"choices", json::array({std::move(choice)})},
+          {"usage", usage_json(usage)}};
 }
 
 }  // namespace bitdelta::server

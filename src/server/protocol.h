@@ -20,11 +20,16 @@ using nlohmann::json;
 struct ApiError : std::runtime_error {
   int status;
   std::string type, code;
-  ApiError(int status, std::string message, std::string type = "invalid_request_error", std::string code = "")
-      : std::runtime_error(std::move(message)), status(status), type(std::move(type)), code(std::move(code)) {}
+  ApiError(int status, std::string message, std::string type = "invalid_request_error",
+           std::string code = "")
+      : std::runtime_error(std::move(message)),
+        status(status),
+        type(std::move(type)),
+        code(std::move(code)) {}
 };
 
-json error_body(int status, const std::string& message, const std::string& type, const std::string& code);
+json error_body(int status, const std::string& message, const std::string& type,
+                const std::string& code);
 std::string error_type_for(int status);  // invalid_request_error, authentication_error, ...
 
 // Parses a request body; throws ApiError(400) naming what is wrong.
@@ -36,17 +41,17 @@ enum class Endpoint { kCompletions, kChat };
 struct ModelInfo {
   const Tokenizer* tokenizer;
   std::string base_name;  // the model used when a request names none
-  size_t context;  // max_position_embeddings
+  size_t context;         // max_position_embeddings
   const ChatTemplate* chat_template;
 };
 
 struct ParsedRequest {
   Endpoint endpoint = Endpoint::kCompletions;
-  GenerationRequest engine;   // model, prompt ids, sampling, stop, max_tokens, logprob requests
-  std::string echo_text;      // completions with echo: the prompt as text
+  GenerationRequest engine;  // model, prompt ids, sampling, stop, max_tokens, logprob requests
+  std::string echo_text;     // completions with echo: the prompt as text
   bool echo = false;
   bool stream = false, include_usage = false;
-  bool logprobs = false;      // report logprobs of generated tokens
+  bool logprobs = false;  // report logprobs of generated tokens
 };
 
 // Validates and converts a /v1/completions or /v1/chat/completions body. Throws ApiError(400)
@@ -60,7 +65,8 @@ std::string token_text(const Tokenizer& tokenizer, int32_t id);
 // Accumulates one request's output and renders the API objects.
 class ResponseBuilder {
  public:
-  ResponseBuilder(const ParsedRequest& request, const Tokenizer& tokenizer, std::string id, int64_t created);
+  ResponseBuilder(const ParsedRequest& request, const Tokenizer& tokenizer, std::string id,
+                  int64_t created);
 
   void set_prompt_logprobs(const std::vector<float>& logprobs);  // echo + logprobs
   // Adds a generated token and its final text (token id -1: text only, flushed at the end); returns
@@ -80,7 +86,8 @@ class ResponseBuilder {
  private:
   json chunk(json choice) const;
   json usage_json(const Usage& usage) const;
-  // The completions shape for generated tokens [from, end), after the prompt's tokens if with_prompt.
+  // The completions shape for generated tokens [from, end), after the prompt's tokens if
+  // with_prompt.
   json legacy_logprobs(size_t from, size_t text_offset, bool with_prompt) const;
   json chat_logprob(const TokenLogprob& t) const;
 
@@ -92,7 +99,7 @@ class ResponseBuilder {
   std::vector<TokenLogprob> tokens_;  // generated tokens
   std::vector<size_t> offsets_;       // byte offset of each generated token's text in text_
   std::vector<float> prompt_logprobs_;
-  size_t streamed_tokens_ = 0;        // tokens already reported in chunks
+  size_t streamed_tokens_ = 0;  // tokens already reported in chunks
   size_t streamed_text_ = 0;
 };
 

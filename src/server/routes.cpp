@@ -1,9 +1,9 @@
 #include "server/routes.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
-#include <algorithm>
 #include <ctime>
 #include <deque>
 #include <optional>
@@ -56,8 +56,8 @@ class Mailbox {
   std::deque<Event> events_;
 };
 
-// One generation request in flight: the parsed request (the builder refers to it), the engine handle
-// and the events not yet turned into output.
+// One generation request in flight: the parsed request (the builder refers to it), the engine
+// handle and the events not yet turned into output.
 struct Exchange {
   ParsedRequest request;
   std::optional<ResponseBuilder> builder;
@@ -104,39 +104,54 @@ GenerationCallbacks callbacks_for(const std::shared_ptr<Mailbox>& box) {
 
 int status_for(EngineError::Kind kind) {
   switch (kind) {
-    case EngineError::Kind::UnknownModel: return 404;
-    case EngineError::Kind::QueueFull: return 429;
-    case EngineError::Kind::BadRequest: return 400;
-    case EngineError::Kind::Unavailable: return 503;
+    case EngineError::Kind::UnknownModel:
+      return 404;
+    case EngineError::Kind::QueueFull:
+      return 429;
+    case EngineError::Kind::BadRequest:
+      return 400;
+    case EngineError::Kind::Unavailable:
+      return 503;
   }
   return 500;
 }
 
 const char* code_for(EngineError::Kind kind) {
   switch (kind) {
-    case EngineError::Kind::UnknownModel: return "model_not_found";
-    case EngineError::Kind::QueueFull: return "queue_full";
-    case EngineError::Kind::BadRequest: return "invalid_request";
-    case EngineError::Kind::Unavailable: return "unavailable";
+    case EngineError::Kind::UnknownModel:
+      return "model_not_found";
+    case EngineError::Kind::QueueFull:
+      return "queue_full";
+    case EngineError::Kind::BadRequest:
+      return "invalid_request";
+    case EngineError::Kind::Unavailable:
+      return "unavailable";
   }
   return "";
 }
 
 void log_request(const Exchange& x, int status, const Usage* usage, const std::string& note) {
-  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - x.arrived).count();
+  const double total =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - x.arrived).count();
   if (usage)
-    std::fprintf(stderr, "[serve] %s model=%s status=%d prompt_tokens=%zu completion_tokens=%zu ttft=%.3fs total=%.3fs%s%s\n",
-                 x.route.c_str(), x.request.engine.model.c_str(), status, usage->prompt_tokens, usage->completion_tokens,
-                 usage->ttft_s, total, note.empty() ? "" : " ", note.c_str());
+    std::fprintf(stderr,
+                 "[serve] %s model=%s status=%d prompt_tokens=%zu completion_tokens=%zu ttft=%.3fs "
+                 "total=%.3fs%s%s\n",
+                 x.route.c_str(), x.request.engine.model.c_str(), status, usage->prompt_tokens,
+                 usage->completion_tokens, usage->ttft_s, total, note.empty() ? "" : " ",
+                 note.c_str());
   else
-    std::fprintf(stderr, "[serve] %s model=%s status=%d prompt_tokens=%zu total=%.3fs %s\n", x.route.c_str(),
-                 x.request.engine.model.c_str(), status, x.request.engine.prompt.size(), total, note.c_str());
+    std::fprintf(stderr, "[serve] %s model=%s status=%d prompt_tokens=%zu total=%.3fs %s\n",
+                 x.route.c_str(), x.request.engine.model.c_str(), status,
+                 x.request.engine.prompt.size(), total, note.c_str());
 }
 
-std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
+std::string sse(const json& j) {
+  return "data: " + dump(j) + "\n\n";
+}
 
-// Writes what has arrived for a streaming request. Returns false when the client is gone (the engine
-// request is cancelled); calls sink.done() at the end of the stream.
+// Writes what has arrived for a streaming request. Returns false when the client is gone (the
+// engine request is cancelled); calls sink.done() at the end of the stream.
 bool stream_some(Exchange& x, Context& ctx, httplib::DataSink& sink) {
   const auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
   const auto gone = [&] {
@@ -155,9 +170,11 @@ bool stream_some(Exchange& x, Context& ctx, httplib::DataSink& sink) {
   if (x.pending.empty()) x.pending = x.mailbox->take(kPoll);
   for (auto& e : x.pending) {
     switch (e.kind) {
-      case Event::Kind::kPromptLogprobs: break;
+      case Event::Kind::kPromptLogprobs:
+        break;
       case Event::Kind::kToken:
-        if (json chunk = x.builder->add_token(e.token, e.text); !chunk.is_null() && !write(sse(chunk)))
+        if (json chunk = x.builder->add_token(e.token, e.text);
+            !chunk.is_null() && !write(sse(chunk)))
           return gone();
         break;
       case Event::Kind::kDone: {
@@ -173,7 +190,8 @@ bool stream_some(Exchange& x, Context& ctx, httplib::DataSink& sink) {
       case Event::Kind::kError: {
         x.finished = true;
         const int status = e.status ? e.status : 500;
-        write(sse(error_body(status, e.text, error_type_for(status), "generation_failed")) + "data: [DONE]\n\n");
+        write(sse(error_body(status, e.text, error_type_for(status), "generation_failed")) +
+              "data: [DONE]\n\n");
         sink.done();
         log_request(x, status, nullptr, e.text);
         return true;
@@ -182,7 +200,8 @@ bool stream_some(Exchange& x, Context& ctx, httplib::DataSink& sink) {
   }
   x.pending.clear();
   if (ctx.stopping) {
-    write(sse(error_body(503, "the server is shutting down", error_type_for(503), "")) + "data: [DONE]\n\n");
+    write(sse(error_body(503, "the server is shutting down", error_type_for(503), "")) +
+          "data: [DONE]\n\n");
     sink.done();
     log_request(x, 503, nullptr, "cancelled: shutting down");
     return true;  // ~Exchange cancels the engine request
@@ -192,20 +211,27 @@ bool stream_some(Exchange& x, Context& ctx, httplib::DataSink& sink) {
 }
 
 std::string validate_variant_name(const json& body) {
-  if (!body.contains("name") || !body["name"].is_string()) throw ApiError(400, "name must be a string");
+  if (!body.contains("name") || !body["name"].is_string())
+    throw ApiError(400, "name must be a string");
   const std::string name = body["name"].get<std::string>();
   if (name.empty() || name.size() > 128) throw ApiError(400, "name must be 1 to 128 characters");
   for (char c : name)
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' || c == ':'))
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' ||
+          c == ':'))
       throw ApiError(400, "name may contain only letters, digits and - _ . :");
   return name;
 }
 
 json model_object(const Context& ctx, const VariantStatus& v) {
   const bool base = v.name == ctx.engine.options().base_name;
-  json m = {{"id", v.name}, {"object", "model"}, {"created", ctx.started}, {"owned_by", "bitdelta"},
-            {"root", base ? v.name : v.name}, {"parent", base ? json(nullptr) : json(ctx.engine.options().base_name)},
-            {"state", v.state}, {"pinned", v.pinned}};
+  json m = {{"id", v.name},
+            {"object", "model"},
+            {"created", ctx.started},
+            {"owned_by", "bitdelta"},
+            {"root", base ? v.name : v.name},
+            {"parent", base ? json(nullptr) : json(ctx.engine.options().base_name)},
+            {"state", v.state},
+            {"pinned", v.pinned}};
   if (!v.last_error.empty()) m["last_error"] = v.last_error;
   if (v.bytes) m["bytes"] = v.bytes;
   m["max_model_len"] = ctx.engine.config().max_position;
@@ -214,7 +240,9 @@ json model_object(const Context& ctx, const VariantStatus& v) {
 
 }  // namespace
 
-std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+std::string dump(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
 
 std::string Context::new_id(const char* kind) {
   char buf[32];
@@ -222,29 +250,32 @@ std::string Context::new_id(const char* kind) {
   return std::string(kind) + "-" + id_prefix + buf;
 }
 
-void send_json(Context& ctx, httplib::Response& res, const std::string& route, int status, const json& body) {
+void send_json(Context& ctx, httplib::Response& res, const std::string& route, int status,
+               const json& body) {
   res.status = status;
   res.set_content(dump(body), "application/json");
   ctx.http.count(route, status);
 }
 
-void send_error(Context& ctx, httplib::Response& res, const std::string& route, int status, const std::string& message,
-                const std::string& code) {
+void send_error(Context& ctx, httplib::Response& res, const std::string& route, int status,
+                const std::string& message, const std::string& code) {
   std::string line = message;  // one line, whatever the message carried
   for (auto& c : line)
     if (c == '\n' || c == '\r') c = ' ';
   send_json(ctx, res, route, status, error_body(status, line, error_type_for(status), code));
 }
 
-void handle_generation(Context& ctx, const httplib::Request& req, httplib::Response& res, Endpoint endpoint) {
+void handle_generation(Context& ctx, const httplib::Request& req, httplib::Response& res,
+                       Endpoint endpoint) {
   auto x = std::make_shared<Exchange>();
   x->route = endpoint == Endpoint::kChat ? kChatRoute : kCompletionsRoute;
   const Tokenizer& tok = ctx.engine.tokenizer();
   try {
-    const ModelInfo info{&tok, ctx.engine.options().base_name, size_t(ctx.engine.config().max_position),
-                         &ctx.chat_template};
+    const ModelInfo info{&tok, ctx.engine.options().base_name,
+                         size_t(ctx.engine.config().max_position), &ctx.chat_template};
     x->request = parse_generation(parse_body(req.body), endpoint, info);
-    x->builder.emplace(x->request, tok, ctx.new_id(endpoint == Endpoint::kChat ? "chatcmpl" : "cmpl"),
+    x->builder.emplace(x->request, tok,
+                       ctx.new_id(endpoint == Endpoint::kChat ? "chatcmpl" : "cmpl"),
                        int64_t(std::time(nullptr)));
     x->handle = ctx.engine.submit(x->request.engine, callbacks_for(x->mailbox));
   } catch (const ApiError& e) {
@@ -290,8 +321,12 @@ void handle_generation(Context& ctx, const httplib::Request& req, httplib::Respo
     while (true) {
       for (auto& e : x->pending) {
         switch (e.kind) {
-          case Event::Kind::kPromptLogprobs: x->builder->set_prompt_logprobs(e.prompt_logprobs); break;
-          case Event::Kind::kToken: x->builder->add_token(e.token, e.text); break;
+          case Event::Kind::kPromptLogprobs:
+            x->builder->set_prompt_logprobs(e.prompt_logprobs);
+            break;
+          case Event::Kind::kToken:
+            x->builder->add_token(e.token, e.text);
+            break;
           case Event::Kind::kDone:
             x->finished = true;
             send_json(ctx, res, x->route, 200, x->builder->finish(e.reason, e.usage));
@@ -330,7 +365,8 @@ void handle_generation(Context& ctx, const httplib::Request& req, httplib::Respo
           std::fprintf(stderr, "[serve] %s status=500 %s\n", x->route.c_str(), m.c_str());
           if (x->handle) x->handle->cancel();
           x->finished = true;
-          const std::string tail = sse(error_body(500, m, error_type_for(500), "")) + "data: [DONE]\n\n";
+          const std::string tail =
+              sse(error_body(500, m, error_type_for(500), "")) + "data: [DONE]\n\n";
           sink.write(tail.data(), tail.size());
           sink.done();
           return true;
@@ -356,10 +392,12 @@ void handle_load(Context& ctx, const httplib::Request& req, httplib::Response& r
   const std::string route = "/v1/variants/load";
   try {
     if (ctx.variants_root.empty())
-      throw ApiError(403, "loading variants is disabled (start the server with --variants-dir)", "permission_error");
+      throw ApiError(403, "loading variants is disabled (start the server with --variants-dir)",
+                     "permission_error");
     const json body = parse_body(req.body);
     const std::string name = validate_variant_name(body);
-    if (!body.contains("path") || !body["path"].is_string() || body["path"].get<std::string>().empty())
+    if (!body.contains("path") || !body["path"].is_string() ||
+        body["path"].get<std::string>().empty())
       throw ApiError(400, "path must be a non-empty string");
     fs::path path = body["path"].get<std::string>();
     if (path.is_relative()) path = ctx.variants_root / path;
@@ -369,11 +407,14 @@ void handle_load(Context& ctx, const httplib::Request& req, httplib::Response& r
     if (ec) throw ApiError(400, str("path: ", body["path"].get<std::string>(), " does not exist"));
     const auto rel = real.lexically_relative(ctx.variants_root);
     if (rel.empty() || *rel.begin() == ".." || rel.is_absolute())
-      throw ApiError(403, str("path: ", body["path"].get<std::string>(), " is outside the variants directory"));
-    if (!fs::is_regular_file(real)) throw ApiError(400, str("path: ", body["path"].get<std::string>(), " is not a file"));
+      throw ApiError(403, str("path: ", body["path"].get<std::string>(),
+                              " is outside the variants directory"));
+    if (!fs::is_regular_file(real))
+      throw ApiError(400, str("path: ", body["path"].get<std::string>(), " is not a file"));
     std::lock_guard lock(ctx.variants_mutex);
     for (const auto& v : ctx.engine.variants())
-      if (v.name == name) throw ApiError(409, str("name: a model named '", name, "' already exists"));
+      if (v.name == name)
+        throw ApiError(409, str("name: a model named '", name, "' already exists"));
     ctx.engine.add_variant(name, real, false);
     for (const auto& v : ctx.engine.variants())
       if (v.name == name) {
@@ -394,11 +435,13 @@ void handle_unload(Context& ctx, const httplib::Request& req, httplib::Response&
   try {
     const json body = parse_body(req.body);
     const std::string name = validate_variant_name(body);
-    if (name == ctx.engine.options().base_name) throw ApiError(400, "name: the base model cannot be unloaded");
+    if (name == ctx.engine.options().base_name)
+      throw ApiError(400, "name: the base model cannot be unloaded");
     std::lock_guard lock(ctx.variants_mutex);
     bool found = false;
     for (const auto& v : ctx.engine.variants()) found |= v.name == name;
-    if (!found) throw ApiError(404, str("name: no model named '", name, "'"), "", "model_not_found");
+    if (!found)
+      throw ApiError(404, str("name: no model named '", name, "'"), "", "model_not_found");
     try {
       ctx.engine.remove_variant(name);
     } catch (const Error& e) {
@@ -418,7 +461,8 @@ void handle_health(Context& ctx, const httplib::Request&, httplib::Response& res
 
 void handle_metrics(Context& ctx, const httplib::Request&, httplib::Response& res) {
   res.status = 200;
-  res.set_content(render_metrics(ctx.engine.metrics(), ctx.engine.variants(), ctx.http), "text/plain; version=0.0.4");
+  res.set_content(render_metrics(ctx.engine.metrics(), ctx.engine.variants(), ctx.http),
+                  "text/plain; version=0.0.4");
   ctx.http.count("/metrics", 200);
 }
 

@@ -25,8 +25,8 @@ struct Context {
   HttpCounters http;
   std::atomic<bool> stopping{false};
   std::atomic<uint64_t> next_id{1};
-  std::string id_prefix;  // random per process, so ids differ across restarts
-  int64_t started = 0;    // unix time, reported as models' "created"
+  std::string id_prefix;      // random per process, so ids differ across restarts
+  int64_t started = 0;        // unix time, reported as models' "created"
   std::mutex variants_mutex;  // load/unload one at a time
 
   Context(Engine& e, ServerOptions o) : engine(e), options(std::move(o)) {}
@@ -34,11 +34,13 @@ struct Context {
 };
 
 // Writes the OpenAI error object; counts the response.
-void send_error(Context& ctx, httplib::Response& res, const std::string& route, int status, const std::string& message,
-                const std::string& code = "");
-void send_json(Context& ctx, httplib::Response& res, const std::string& route, int status, const json& body);
+void send_error(Context& ctx, httplib::Response& res, const std::string& route, int status,
+                const std::string& message, const std::string& code = "");
+void send_json(Context& ctx, httplib::Response& res, const std::string& route, int status,
+               const json& body);
 
-void handle_generation(Context& ctx, const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
+void handle_generation(Context& ctx, const httplib::Request& req, httplib::Response& res,
+                       Endpoint endpoint);
 void handle_models(Context& ctx, const httplib::Request& req, httplib::Response& res);
 void handle_load(Context& ctx, const httplib::Request& req, httplib::Response& res);
 void handle_unload(Context& ctx, const httplib::Request& req, httplib::Response& res);

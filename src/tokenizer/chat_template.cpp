@@ -9,7 +9,9 @@ namespace bitdelta {
 
 namespace {
 
-bool contains(const std::string& s, const char* what) { return s.find(what) != std::string::npos; }
+bool contains(const std::string& s, const char* what) {
+  return s.find(what) != std::string::npos;
+}
 
 std::string trim(const std::string& s) {
   const char* ws = " \t\n\r\f\v";
@@ -40,11 +42,13 @@ std::vector<ChatSegment> render_inst(const std::vector<ChatMessage>& messages, b
   bool system_pending = !system.empty();
   for (size_t i = first; i < messages.size(); ++i) {
     const auto& m = messages[i];
-    if (m.role == "system") fail("messages[", i, "].role: a system message is only allowed first for this template");
+    if (m.role == "system")
+      fail("messages[", i, "].role: a system message is only allowed first for this template");
     if (m.role == "user") {
       std::string content = m.content;
       if (system_pending) {
-        content = llama2 ? "<<SYS>>\n" + system + "\n<</SYS>>\n\n" + content : system + "\n\n" + content;
+        content =
+            llama2 ? "<<SYS>>\n" + system + "\n<</SYS>>\n\n" + content : system + "\n\n" + content;
         system_pending = false;
       }
       out.push_back({"[INST] " + (llama2 ? trim(content) : content) + " [/INST]", true, false});
@@ -61,7 +65,8 @@ std::vector<ChatSegment> render_inst(const std::vector<ChatMessage>& messages, b
       out.back().eos_after = true;
     }
   }
-  if (out.empty()) out.push_back({"[INST] " + (llama2 ? trim(system) : system) + " [/INST]", true, false});
+  if (out.empty())
+    out.push_back({"[INST] " + (llama2 ? trim(system) : system) + " [/INST]", true, false});
   return out;
 }
 
@@ -69,12 +74,18 @@ std::vector<ChatSegment> render_inst(const std::vector<ChatMessage>& messages, b
 
 const char* to_string(ChatFamily family) {
   switch (family) {
-    case ChatFamily::kPlain: return "plain";
-    case ChatFamily::kRoleMarkers: return "role-markers";
-    case ChatFamily::kChatML: return "chatml";
-    case ChatFamily::kLlama3: return "llama3";
-    case ChatFamily::kLlama2: return "llama2";
-    case ChatFamily::kMistral: return "mistral";
+    case ChatFamily::kPlain:
+      return "plain";
+    case ChatFamily::kRoleMarkers:
+      return "role-markers";
+    case ChatFamily::kChatML:
+      return "chatml";
+    case ChatFamily::kLlama3:
+      return "llama3";
+    case ChatFamily::kLlama2:
+      return "llama2";
+    case ChatFamily::kMistral:
+      return "mistral";
   }
   return "?";
 }
@@ -87,8 +98,8 @@ ChatTemplate ChatTemplate::detect(const std::string& jinja, bool* known) {
   if (contains(jinja, "[INST]"))
     return ChatTemplate(contains(jinja, "<<SYS>>") ? ChatFamily::kLlama2 : ChatFamily::kMistral);
   // The demo family writes the role between <| and |> with nothing else around the content.
-  if (contains(jinja, "<|{{ message['role'] }}|>") || contains(jinja, "<|{{ message[\"role\"] }}|>") ||
-      contains(jinja, "<|{{message['role']}}|>"))
+  if (contains(jinja, "<|{{ message['role'] }}|>") ||
+      contains(jinja, "<|{{ message[\"role\"] }}|>") || contains(jinja, "<|{{message['role']}}|>"))
     return ChatTemplate(ChatFamily::kRoleMarkers);
   if (known) *known = false;
   return ChatTemplate(ChatFamily::kPlain);
@@ -137,16 +148,20 @@ std::vector<ChatSegment> ChatTemplate::render(const std::vector<ChatMessage>& me
       text += "<|assistant|>\n";
       break;
     case ChatFamily::kChatML:
-      for (const auto& m : messages) text += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+      for (const auto& m : messages)
+        text += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
       text += "<|im_start|>assistant\n";
       break;
     case ChatFamily::kLlama3:
       for (const auto& m : messages)
-        text += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + trim(m.content) + "<|eot_id|>";
+        text += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + trim(m.content) +
+                "<|eot_id|>";
       text += "<|start_header_id|>assistant<|end_header_id|>\n\n";
       break;
-    case ChatFamily::kLlama2: return render_inst(messages, true);
-    case ChatFamily::kMistral: return render_inst(messages, false);
+    case ChatFamily::kLlama2:
+      return render_inst(messages, true);
+    case ChatFamily::kMistral:
+      return render_inst(messages, false);
   }
   return {ChatSegment{std::move(text), true, false}};
 }
