@@ -650,7 +650,9 @@ TEST_F(ServerTest, BudgetOfTwoDeltasEvictsButKeepsPinned) {
     int resident = 0;
     const json models = json::parse(c.Get("/v1/models")->body);
     for (const auto& v : models["data"]) resident += v["state"] == "resident";
-    EXPECT_LE(resident, 2) << "after " << m;
+    // The budget holds two: the pinned coder and the one just used; the other is evicted.
+    EXPECT_EQ(resident, 2) << "after " << m;
+    EXPECT_EQ(variant_state(c, m), "resident") << m;
   }
   const auto page = metrics(c);
   EXPECT_GE(metric(page, "bitdelta_delta_cache_evictions_total"), 3) << page;
@@ -795,6 +797,16 @@ TEST_F(ServerTest, LoadAndUnloadOnlyInsideVariantsDir) {
       post(c, "/v1/variants/load", json{{"name", "extra"}, {"path", "sub/extra.bitdelta"}});
   ASSERT_EQ(loaded.status, 200) << loaded.raw;
   EXPECT_EQ(loaded.body["id"], "extra");
+  EXPECT_EQ(loaded.body["state"], "resident");
+  // A delta that cannot be loaded is refused at load time and not kept.
+  {
+    const std::string good = test::read_file(family().delta("math"));
+    std::ofstream(vdir / "torn.bitdelta", std::ios::binary) << good.substr(0, good.size() / 3);
+  }
+  const auto torn = post(c, "/v1/variants/load", json{{"name", "torn"}, {"path", "torn.bitdelta"}});
+  EXPECT_EQ(torn.status, 400) << torn.raw;
+  EXPECT_NE(torn.raw.find("failed to load"), std::string::npos) << torn.raw;
+  EXPECT_EQ(variant_state(c, "torn"), "");
   EXPECT_EQ(
       post(c, "/v1/variants/load", json{{"name", "extra"}, {"path", "sub/extra.bitdelta"}}).status,
       409);

@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -308,7 +309,11 @@ void add_serve_command(CLI::App& app) {
 
     SignalWatcher signals;  // before the engine's threads exist
     Engine engine(args.base, args.engine);
-    for (const auto& [name, path] : deltas) engine.add_variant(name, path);
+    // Pinned variants load right away (they stay resident anyway); the others on first use.
+    for (const auto& [name, path] : deltas) {
+      const auto& pins = args.engine.pinned;
+      engine.add_variant(name, path, std::find(pins.begin(), pins.end(), name) != pins.end());
+    }
     Server server(engine, args.server);
     const int port = server.bind();
     std::string names;

@@ -7,6 +7,7 @@
 #include <ctime>
 #include <deque>
 #include <optional>
+#include <thread>
 
 #include "bitdelta/error.h"
 
@@ -415,14 +416,40 @@ void handle_load(Context& ctx, const httplib::Request& req, httplib::Response& r
     for (const auto& v : ctx.engine.variants())
       if (v.name == name)
         throw ApiError(409, str("name: a model named '", name, "' already exists"));
-    ctx.engine.add_variant(name, real, false);
-    for (const auto& v : ctx.engine.variants())
-      if (v.name == name) {
-        send_json(ctx, res, route, 200, model_object(ctx, v));
-        std::fprintf(stderr, "[serve] loaded variant %s from %s\n", name.c_str(), real.c_str());
-        return;
+    // Loaded now, in the background; with "wait" (the default) the answer says whether it worked,
+    // and a delta that cannot be loaded is not kept.
+    bool wait = true;
+    if (body.contains("wait") && !body["wait"].is_null()) {
+      if (!body["wait"].is_boolean()) throw ApiError(400, "wait must be a boolean");
+      wait = body["wait"].get<bool>();
+    }
+    ctx.engine.add_variant(name, real, true);
+    const auto status_of = [&]() -> std::optional<VariantStatus> {
+      for (auto& v : ctx.engine.variants())
+        if (v.name == name) return v;
+      return std::nullopt;
+    };
+    auto v = status_of();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (wait && v && (v->state == "cold" || v->state == "loading") &&
+           std::chrono::steady_clock::now() < deadline && !ctx.stopping) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      v = status_of();
+    }
+    if (!v) throw ApiError(409, str("name: '", name, "' was unloaded while loading"));
+    if (v->state == "failed") {
+      try {
+        ctx.engine.remove_variant(name);
+      } catch (const Error&) {
+        // A request for it arrived meanwhile; it stays registered and will retry.
       }
-    throw ApiError(500, "the variant was added but is not listed");
+      throw ApiError(400, str("path: the delta failed to load: ", v->last_error), "",
+                     "load_failed");
+    }
+    send_json(ctx, res, route, 200, model_object(ctx, *v));
+    std::fprintf(stderr, "[serve] added variant %s from %s (%s)\n", name.c_str(), real.c_str(),
+                 v->state.c_str());
+    return;
   } catch (const ApiError& e) {
     send_error(ctx, res, route, e.status, e.what(), e.code);
   } catch (const Error& e) {
