@@ -43,6 +43,7 @@ struct ServeArgs {
   EngineOptions engine;
   std::string delta_cache_bytes;
   std::string variants_dir, cache_dir;
+  ServeArgs() { server.http_threads = 0; }  // 0: sized from the engine's limits
 };
 
 // "4096", "512M", "1.5G" (powers of 1024).
@@ -255,8 +256,9 @@ void add_serve_command(CLI::App& app) {
                   "Directory /v1/variants/load may read from (default: loading off)");
   cmd->add_option("--cache-dir", a->cache_dir, "Where fine-tune directories are compressed to");
   cmd->add_option("--threads", a->engine.threads, "Compute threads (0: all cores)");
-  cmd->add_option("--http-threads", a->server.http_threads, "Connections served at once")
-      ->capture_default_str();
+  cmd->add_option("--http-threads", a->server.http_threads,
+                  "Connections served at once (0: max-running + max-queue + 16, so a full queue is "
+                  "seen as 429)");
   cmd->callback([a, cmd] {
     ServeArgs args;
     std::vector<VariantSpec> variants;
@@ -297,6 +299,11 @@ void add_serve_command(CLI::App& app) {
     for (const auto& v : variants)
       if (v.pinned) args.engine.pinned.push_back(v.name);
     args.server.variants_dir = args.variants_dir;
+    // Every waiting request holds a connection thread; with fewer threads than the engine admits,
+    // excess clients would queue unseen in the HTTP layer instead of getting 429.
+    if (args.server.http_threads == 0)
+      args.server.http_threads =
+          std::min<size_t>(args.engine.max_running + args.engine.max_queue + 16, 4096);
 
     std::vector<std::pair<std::string, fs::path>> deltas;
     for (const auto& v : variants)
