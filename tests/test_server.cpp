@@ -856,6 +856,24 @@ TEST_F(ServerTest, ConfigFileWithFineTuneDirectoryAndPins) {
             tuned.body["choices"][0]["text"]);
 }
 
+TEST_F(ServerTest, UnknownChatTemplateFallsBackToPlainAndSaysSo) {
+  const fs::path base = scratch / "base";
+  fs::copy(family().base, base);
+  test::write_text(
+      base / "tokenizer_config.json",
+      json{{"chat_template", "{% for m in messages %}<start_of_turn>{{ m.content }}{% endfor %}"}}
+          .dump());
+  ServerProcess server({base.string()}, scratch / "plain.log");
+  EXPECT_NE(server.log().find("not a family we know"), std::string::npos) << server.log();
+  auto c = server.client();
+  const auto r =
+      post(c, "/v1/chat/completions",
+           json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}});
+  ASSERT_EQ(r.status, 200) << r.raw;
+  const Tokenizer tok(base);
+  EXPECT_EQ(r.body["usage"]["prompt_tokens"], tok.encode("User: hi\n\nAssistant:", true).size());
+}
+
 TEST_F(ServerTest, PortInUseIsAnError) {
   auto server = start();
   const auto out =
