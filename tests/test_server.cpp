@@ -485,6 +485,11 @@ TEST_F(ServerTest, ModelsListsBaseAndVariants) {
     EXPECT_EQ(j["data"][i]["parent"], "base");
     EXPECT_TRUE(j["data"][i]["state"].is_string());
   }
+  auto one = c.Get("/v1/models/writer");
+  ASSERT_TRUE(one);
+  EXPECT_EQ(one->status, 200);
+  EXPECT_EQ(json::parse(one->body)["parent"], "base");
+  EXPECT_EQ(c.Get("/v1/models/nope")->status, 404);
   auto h = c.Get("/health");
   ASSERT_TRUE(h);
   EXPECT_EQ(h->status, 200);

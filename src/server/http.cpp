@@ -126,6 +126,10 @@ Server::Server(Engine& engine, ServerOptions options)
   http.Get("/v1/models", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
              server::handle_models(ctx, req, res);
            }));
+  http.Get(R"(/v1/models/(.+))",
+           guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+             server::handle_model(ctx, req, res);
+           }));
   http.Post("/v1/variants/load", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
               server::handle_load(ctx, req, res);
             }));

@@ -229,7 +229,7 @@ json model_object(const Context& ctx, const VariantStatus& v) {
             {"object", "model"},
             {"created", ctx.started},
             {"owned_by", "bitdelta"},
-            {"root", base ? v.name : v.name},
+            {"root", v.name},
             {"parent", base ? json(nullptr) : json(ctx.engine.options().base_name)},
             {"state", v.state},
             {"pinned", v.pinned}};
@@ -387,6 +387,14 @@ void handle_models(Context& ctx, const httplib::Request&, httplib::Response& res
   json data = json::array();
   for (const auto& v : ctx.engine.variants()) data.push_back(model_object(ctx, v));
   send_json(ctx, res, "/v1/models", 200, {{"object", "list"}, {"data", data}});
+}
+
+void handle_model(Context& ctx, const httplib::Request& req, httplib::Response& res) {
+  const std::string id = req.matches.size() > 1 ? std::string(req.matches[1]) : "";
+  for (const auto& v : ctx.engine.variants())
+    if (v.name == id) return send_json(ctx, res, "/v1/models/{id}", 200, model_object(ctx, v));
+  send_error(ctx, res, "/v1/models/{id}", 404, str("model '", id, "' does not exist"),
+             "model_not_found");
 }
 
 void handle_load(Context& ctx, const httplib::Request& req, httplib::Response& res) {

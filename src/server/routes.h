@@ -42,6 +42,8 @@ void send_json(Context& ctx, httplib::Response& res, const std::string& route, i
 void handle_generation(Context& ctx, const httplib::Request& req, httplib::Response& res,
                        Endpoint endpoint);
 void handle_models(Context& ctx, const httplib::Request& req, httplib::Response& res);
+void handle_model(Context& ctx, const httplib::Request& req,
+                  httplib::Response& res);  // /v1/models/{id}
 void handle_load(Context& ctx, const httplib::Request& req, httplib::Response& res);
 void handle_unload(Context& ctx, const httplib::Request& req, httplib::Response& res);
 void handle_health(Context& ctx, const httplib::Request& req, httplib::Response& res);

@@ -15,6 +15,7 @@ const models = await client.models.list();
 const ids = models.data.map((m) => m.id);
 assert.ok(ids.includes("base"), `models: ${ids}`);
 const variant = ids.find((id) => id !== "base") ?? "base";
+assert.equal((await client.models.retrieve(variant)).id, variant);
 
 const params = { model: variant, prompt: "the quick brown fox", max_tokens: 8, temperature: 0, seed: 1 };
 const whole = await client.completions.create({ ...params, ignore_eos: true });
