@@ -108,6 +108,12 @@ int main(int argc, char** argv) {
     std::vector<PrefillCase> pre{{std::to_string(prompt) + " tokens, base", {0}},
                                  {std::to_string(prompt) + " tokens, one variant", {1}}};
     if (deltas.size() >= 8) pre.push_back({std::to_string(prompt) + " tokens, 8 variants x " + std::to_string(prompt / 8), {1, 2, 3, 4, 5, 6, 7, 8}});
+    {  // warm-up: fault the weights in, start the threads
+      auto seq = model.new_sequence(0);
+      std::vector<ForwardRow> rows;
+      for (int32_t t : tokens_of(32, 99)) rows.push_back({&seq, t, false});
+      model.forward(rows);
+    }
     for (const auto& pc : pre) {
       std::vector<double> t;
       for (int rep = 0; rep < 2; ++rep) {

@@ -137,7 +137,9 @@ TEST_F(EngineTest, TwentyRequestsToAColdVariantCauseOneLoad) {
   }
   const auto m = engine.metrics();
   EXPECT_EQ(m.cache_loads, 1u);
-  EXPECT_EQ(m.cache_misses, 20u);
+  // Requests the engine routes after the load finished are hits; the rest waited on the one load.
+  EXPECT_GE(m.cache_misses, 1u);
+  EXPECT_EQ(m.cache_misses + m.cache_hits, 20u);
 }
 
 TEST_F(EngineTest, BudgetOfTwoDeltasEvictsByPolicyAndKeepsPinned) {

@@ -330,7 +330,15 @@ struct Engine::Impl {
 
   void emit_token(Request& r, const float* logits, std::vector<std::function<void()>>& after) {
     const size_t V = model.config().vocab_size;
-    const std::span<const float> l(logits, V);
+    std::span<const float> l(logits, V);
+    // Checkpoints often pad the embedding past the tokenizer's vocabulary: those ids can never be
+    // decoded, so they are never chosen.
+    thread_local std::vector<float> masked;
+    if (tokenizer.vocab_size() < V) {
+      masked.assign(logits, logits + V);
+      std::fill(masked.begin() + long(tokenizer.vocab_size()), masked.end(), -INFINITY);
+      l = masked;
+    }
     const int32_t token = r.sampler->sample(l, r.history);
     const auto lp = log_softmax(l);
     TokenLogprob t{token, lp[size_t(token)], {}};
