@@ -43,6 +43,10 @@ class Checkpoint {
   mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> shards_;
 };
 
+// Reads a JSON file of a checkpoint (config.json, generation_config.json, ...); throws Error naming
+// the file when it cannot be opened or parsed.
+nlohmann::json read_json_file(const std::filesystem::path& path);
+
 // True if `dir` looks like a checkpoint directory (has config.json and safetensors weights).
 bool is_checkpoint_dir(const std::filesystem::path& dir);
 

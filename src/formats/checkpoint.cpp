@@ -15,7 +15,9 @@ namespace {
 constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 
-json read_json(const fs::path& path) {
+}  // namespace
+
+json read_json_file(const fs::path& path) {
   std::ifstream in(path);
   if (!in) fail(path.string(), ": cannot open");
   try {
@@ -24,8 +26,6 @@ json read_json(const fs::path& path) {
     fail(path.string(), ": invalid JSON (", e.what(), ")");
   }
 }
-
-}  // namespace
 
 bool is_checkpoint_dir(const fs::path& dir) {
   std::error_code ec;
@@ -38,11 +38,11 @@ Checkpoint::Checkpoint(const fs::path& dir) : dir_(dir) {
   if (!fs::is_directory(dir, ec)) fail(dir.string(), ": not a directory (expected a Hugging Face checkpoint directory)");
   if (!fs::exists(dir / "config.json", ec))
     fail(dir.string(), ": not a Hugging Face checkpoint directory (no config.json)");
-  config_ = read_json(dir / "config.json");
+  config_ = read_json_file(dir / "config.json");
   if (!config_.is_object()) fail((dir / "config.json").string(), ": not a JSON object");
 
   if (fs::exists(dir / kIndexFile, ec)) {
-    const json index = read_json(dir / kIndexFile);
+    const json index = read_json_file(dir / kIndexFile);
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
       fail((dir / kIndexFile).string(), ": no weight_map object");
     for (const auto& [name, file] : index["weight_map"].items()) {

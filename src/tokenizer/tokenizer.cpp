@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "bitdelta/checkpoint.h"
 #include "bitdelta/error.h"
 
 namespace bitdelta {
@@ -39,16 +40,6 @@ size_t unfinished_suffix(size_t n, ByteAt byte_at) {
   return 0;
 }
 
-json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) fail(path.string(), ": cannot open");
-  try {
-    return json::parse(in);
-  } catch (const json::exception& e) {
-    fail(path.string(), ": invalid JSON (", e.what(), ")");
-  }
-}
-
 int32_t token_id(const fs::path& file, const char* field, const json& value) {
   if (!value.is_number_integer() || value.get<int64_t>() < 0 || value.get<int64_t>() > INT32_MAX)
     fail(file.string(), ": ", field, " must be a non-negative integer or a list of them, got ",
@@ -65,7 +56,7 @@ struct SpecialIds {
 
 // Applies `bos_token_id` / `eos_token_id` of one JSON file, where present and not null.
 void read_special_ids(const fs::path& file, SpecialIds& ids_out) {
-  const json config = read_json(file);
+  const json config = read_json_file(file);
   if (!config.is_object()) fail(file.string(), ": not a JSON object");
   if (config.contains("bos_token_id") && !config["bos_token_id"].is_null()) {
     ids_out.bos = token_id(file, "bos_token_id", config["bos_token_id"]);
