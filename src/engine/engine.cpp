@@ -106,6 +106,7 @@ struct Engine::Impl {
   mutable std::mutex mutex;  // guards everything below (not the model: the engine thread owns it)
   std::condition_variable cv;
   bool stopping = false;
+  bool load_finished = false;  // a loader thread is done: the engine thread should install it
   std::map<std::string, VariantEntry> variants;
   std::vector<int> removed_model_ids;             // variants removed by the API, to drop from the model
   std::deque<std::shared_ptr<Request>> incoming;  // submitted, not yet seen by the engine thread
@@ -116,6 +117,11 @@ struct Engine::Impl {
   std::map<std::string, EngineMetrics::PerVariant> per_variant;
 
   std::thread thread;
+  struct Loader {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
+  };
+  std::vector<Loader> loaders;  // engine thread only: started in start_load, joined once done
 
   Impl(const fs::path& dir, EngineOptions o)
       : opt(std::move(o)), base_dir(dir), model(dir, opt.threads), tokenizer(dir) {
@@ -190,23 +196,33 @@ struct Engine::Impl {
     const fs::path path = v.path;
     const std::string fp = model.fingerprint();
     const Checkpoint* base = &model.checkpoint();
-    v.load = std::async(std::launch::async, [this, path, fp, base] {
-      auto delta = std::make_shared<const DeltaFile>(path);
-      if (delta->base_fingerprint() != fp)
-        fail(path.string(), ": made for a base with fingerprint ", delta->base_fingerprint(), ", but ",
-             base->dir().string(), " has fingerprint ", fp);
-      delta->check_against(*base);
-      // Host tier: bring every page into memory now, so the first step that uses it does not stall.
-      volatile uint8_t sink = 0;
-      for (const auto& t : delta->file().tensors()) {
-        const auto d = delta->file().view(t).data;
-        for (size_t i = 0; i < d.size(); i += 4096) sink = sink + uint8_t(d[i]);
+    std::promise<std::shared_ptr<const DeltaFile>> promise;
+    v.load = promise.get_future();
+    auto& loader = loaders.emplace_back();
+    loader.thread = std::thread([this, path, fp, base, done = loader.done, promise = std::move(promise)]() mutable {
+      try {
+        auto delta = std::make_shared<const DeltaFile>(path);
+        if (delta->base_fingerprint() != fp)
+          fail(path.string(), ": made for a base with fingerprint ", delta->base_fingerprint(), ", but ",
+               base->dir().string(), " has fingerprint ", fp);
+        delta->check_against(*base);
+        // Host tier: bring every page into memory now, so the first step that uses it does not stall.
+        volatile uint8_t sink = 0;
+        for (const auto& t : delta->file().tensors()) {
+          const auto d = delta->file().view(t).data;
+          for (size_t i = 0; i < d.size(); i += 4096) sink = sink + uint8_t(d[i]);
+        }
+        promise.set_value(std::move(delta));
+      } catch (...) {
+        promise.set_exception(std::current_exception());
       }
+      // The result is ready: wake the engine thread to install it (or report the failure).
       {
         std::lock_guard lock(mutex);
+        load_finished = true;
         cv.notify_all();
       }
-      return delta;
+      *done = true;
     });
   }
 
@@ -519,13 +535,15 @@ struct Engine::Impl {
         std::unique_lock lock(mutex);
         cv.wait_for(lock, std::chrono::milliseconds(50), [&] {
           // Loads notify when they finish; blocked loads are retried at least every 50 ms.
-          return stopping || !incoming.empty() || !running.empty() || !queued.empty() || !removed_model_ids.empty();
+          return stopping || load_finished || !incoming.empty() || !running.empty() || !queued.empty() ||
+                 !removed_model_ids.empty();
         });
         if (stopping) break;
         while (!incoming.empty()) {
           route(incoming.front(), after);
           incoming.pop_front();
         }
+        load_finished = false;
         for (int id : removed_model_ids) model.remove_variant(id);
         removed_model_ids.clear();
         finish_loads(after);
@@ -563,6 +581,15 @@ struct Engine::Impl {
         m.running = running.size();
       }
       for (auto& f : after) f();
+      // Finished loader threads are joined here, outside the mutex they last took.
+      for (auto it = loaders.begin(); it != loaders.end();) {
+        if (*it->done) {
+          it->thread.join();
+          it = loaders.erase(it);
+        } else {
+          ++it;
+        }
+      }
     }
     // Stopping: everyone still here gets an error.
     std::vector<std::shared_ptr<Request>> left(running.begin(), running.end());
@@ -592,8 +619,7 @@ Engine::~Engine() {
   }
   impl_->cv.notify_all();
   impl_->thread.join();
-  for (auto& [_, v] : impl_->variants)
-    if (v.load.valid()) v.load.wait();
+  for (auto& l : impl_->loaders) l.thread.join();
 }
 
 const Tokenizer& Engine::tokenizer() const { return impl_->tokenizer; }
