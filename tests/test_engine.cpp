@@ -227,7 +227,12 @@ TEST_F(EngineTest, ACorruptDeltaFailsOnlyItsOwnRequestsAndIsRetried) {
   auto h4 = engine.submit(greedy(engine, "broken", "z", 4), again.callbacks());
   ASSERT_TRUE(again.wait());
   EXPECT_TRUE(again.error.empty()) << again.error;
-  EXPECT_EQ(engine.metrics().cache_load_failures, 1u);
+  // The two broken requests failed on one load, or on two if the second arrived after the first
+  // load had already failed (each later request retries); then the repaired file loaded once.
+  const auto m = engine.metrics();
+  EXPECT_GE(m.cache_load_failures, 1u);
+  EXPECT_LE(m.cache_load_failures, 2u);
+  EXPECT_EQ(m.cache_loads, m.cache_load_failures + 2);  // + coder + the repaired one
 }
 
 TEST_F(EngineTest, CancelFreesTheSlotAndRefusalsAreClear) {
