@@ -81,8 +81,9 @@ TEST_P(Reference, LogprobsTopLogitsAndGreedyMatchTransformers) {
     const auto& res = fx["results"][p];
     const auto ids = prompts[p]["ids"].get<std::vector<int32_t>>();
     const std::string where = GetParam() + " / " + prompts[p]["name"].get<std::string>();
-    if (prompts[p]["kind"] == "text")
+    if (prompts[p]["kind"] == "text") {
       EXPECT_EQ(tokenizer.encode(prompts[p]["text"].get<std::string>(), true), ids) << where;
+    }
 
     const auto scored = score(*model, id, ids);
     const auto want_lp = res["prompt_logprobs"].get<std::vector<double>>();
