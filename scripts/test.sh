@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds bitdelta from scratch in build-test/, and runs every test.
+# Installs what is missing, builds bitdelta from scratch in build-test/, and runs every test
+# (GPU-labelled tests need a GPU machine: tools/gpu_run.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-jobs=$(nproc 2>/dev/null || echo 2)
-gen=()
-command -v ninja >/dev/null && gen=(-G Ninja)
 rm -rf build-test
-cmake -S . -B build-test "${gen[@]}" -DCMAKE_BUILD_TYPE=Release
-cmake --build build-test -j "$jobs"
-ctest --test-dir build-test -j "$jobs" --output-on-failure -LE gpu
+BITDELTA_BUILD_DIR=build-test scripts/build.sh
+ctest --test-dir build-test -j "$(nproc 2>/dev/null || echo 2)" --output-on-failure -LE gpu

@@ -20,14 +20,9 @@ class MappedFile {
   size_t size() const { return size_; }
   const std::filesystem::path& path() const { return path_; }
 
-  // Hints that [offset, offset+len) will be read soon, front to back (starts readahead).
-  void will_need(size_t offset, size_t len) const;
   // Copies [offset, offset+len) into dst with pread: for streaming a file once, this costs less
   // than faulting its pages into the mapping.
   void read(size_t offset, size_t len, std::byte* dst) const;
-  // Drops the pages of [offset, offset+len) from this process (they stay in the page cache),
-  // so streaming over a large file keeps the resident set small.
-  void release(size_t offset, size_t len) const;
 
  private:
   std::filesystem::path path_;

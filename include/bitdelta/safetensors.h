@@ -41,11 +41,8 @@ class SafetensorsFile {
   TensorView view(const TensorInfo& t) const;
   TensorView view(std::string_view name) const { return view(info(name)); }
 
-  // Page hints over a byte range of one tensor's data (see MappedFile).
-  void will_need(const TensorInfo& t, uint64_t offset, uint64_t len) const;
   // Copies bytes [offset, offset+len) of one tensor's data into dst (see MappedFile::read).
   void read(const TensorInfo& t, uint64_t offset, uint64_t len, std::byte* dst) const;
-  void release(const TensorInfo& t, uint64_t offset, uint64_t len) const;
 
  private:
   MappedFile file_;

@@ -12,14 +12,6 @@
 #include "bitdelta/error.h"
 
 namespace bitdelta {
-namespace {
-
-size_t page_size() {
-  static const size_t size = size_t(sysconf(_SC_PAGESIZE));
-  return size;
-}
-
-}  // namespace
 
 MappedFile::MappedFile(const std::filesystem::path& path) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -80,21 +72,6 @@ void MappedFile::read(size_t offset, size_t len, std::byte* dst) const {
     offset += size_t(n);
     len -= size_t(n);
   }
-}
-
-void MappedFile::will_need(size_t offset, size_t len) const {
-  if (!data_ || offset >= size_) return;
-  size_t start = offset / page_size() * page_size();
-  size_t end = std::min(size_, offset + len);
-  ::madvise(data_ + start, end - start, MADV_WILLNEED);
-}
-
-void MappedFile::release(size_t offset, size_t len) const {
-  if (!data_ || offset >= size_) return;
-  // Only whole pages inside the range: a page shared with a neighbour may still be in use.
-  size_t start = (offset + page_size() - 1) / page_size() * page_size();
-  size_t end = std::min(size_, offset + len) / page_size() * page_size();
-  if (end > start) ::madvise(data_ + start, end - start, MADV_DONTNEED);
 }
 
 }  // namespace bitdelta

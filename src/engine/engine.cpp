@@ -41,7 +41,7 @@ struct Request : RequestHandle, std::enable_shared_from_this<Request> {
   GenerationCallbacks cb;
   std::string variant;  // resolved name
   Clock::time_point submitted, first_step, first_token, last_token;
-  bool started = false, got_token = false;
+  bool got_token = false;
 
   std::unique_ptr<Sequence> seq;
   int model_id = -1;
@@ -112,7 +112,6 @@ struct Engine::Impl {
   std::deque<std::shared_ptr<Request>> incoming;  // submitted, not yet seen by the engine thread
   std::deque<std::shared_ptr<Request>> queued;    // variant resident, waiting for a running slot
   std::vector<std::shared_ptr<Request>> running;  // owned by the engine thread
-  size_t running_count = 0;                       // mirror of running.size() for metrics
   EngineMetrics m;
   std::map<std::string, EngineMetrics::PerVariant> per_variant;
 
@@ -147,15 +146,14 @@ struct Engine::Impl {
   double score(const VariantEntry& v, Clock::time_point now) const {
     return decayed_rate(v, now) + 1.0 / (1.0 + seconds(now - v.last_used));
   }
-  bool protected_from_eviction(const VariantEntry& v, Clock::time_point now) const {
-    if (v.pinned || v.active > 0) return true;
-    if (opt.protect_top == 0) return false;
+  // The names of the top-N variants by decayed request rate (never evicted).
+  std::vector<std::string> top_by_rate(Clock::time_point now) const {
     std::vector<std::pair<double, std::string>> by_rate;
     for (const auto& [name, e] : variants) by_rate.emplace_back(decayed_rate(e, now), name);
     std::sort(by_rate.rbegin(), by_rate.rend());
-    for (size_t i = 0; i < std::min(opt.protect_top, by_rate.size()); ++i)
-      if (by_rate[i].second == v.name) return true;
-    return false;
+    std::vector<std::string> top;
+    for (size_t i = 0; i < std::min(opt.protect_top, by_rate.size()); ++i) top.push_back(by_rate[i].second);
+    return top;
   }
   uint64_t resident_bytes() const {
     uint64_t total = 0;
@@ -167,9 +165,11 @@ struct Engine::Impl {
   bool make_room(uint64_t need, const std::string& for_name) {
     if (opt.delta_cache_bytes == 0) return true;
     const auto now = Clock::now();
+    const auto top = top_by_rate(now);
     std::vector<std::pair<double, VariantEntry*>> candidates;
     for (auto& [name, v] : variants)
-      if (v.state == "resident" && name != for_name && !protected_from_eviction(v, now))
+      if (v.state == "resident" && name != for_name && !v.pinned && v.active == 0 &&
+          std::find(top.begin(), top.end(), name) == top.end())
         candidates.emplace_back(score(v, now), &v);
     std::sort(candidates.begin(), candidates.end(), [](auto& a, auto& b) { return a.first < b.first; });
     uint64_t resident = resident_bytes(), freeable = 0;
@@ -513,7 +513,6 @@ struct Engine::Impl {
         r->decoder = std::make_unique<StreamDecoder>(tokenizer);
         r->history = r->req.prompt;
         r->first_step = Clock::now();
-        r->started = true;
         running.push_back(r);
       } catch (const std::exception& e) {
         const std::string msg = e.what();
@@ -576,9 +575,7 @@ struct Engine::Impl {
           running.clear();
         }
         running.erase(std::remove_if(running.begin(), running.end(), [](auto& r) { return !r->seq; }), running.end());
-        running_count = running.size();
-        m.queue_length = queued.size() + incoming.size();
-        m.running = running.size();
+        m.running = running.size();  // queue_length is counted when metrics() is asked
       }
       for (auto& f : after) f();
       // Finished loader threads are joined here, outside the mutex they last took.
@@ -711,7 +708,6 @@ EngineMetrics Engine::metrics() const {
   EngineMetrics out = impl_->m;
   out.queue_length = impl_->queued.size() + impl_->incoming.size();
   for (const auto& [_, v] : impl_->variants) out.queue_length += v.waiting_load.size();
-  out.running = impl_->running_count;
   out.cache_resident_bytes = 0;
   for (const auto& [_, v] : impl_->variants)
     if (v.state == "resident") out.cache_resident_bytes += v.bytes;

@@ -127,17 +127,9 @@ TensorView SafetensorsFile::view(const TensorInfo& t) const {
   return {t.dtype, t.shape, file_.bytes().subspan(data_start_ + t.begin, t.bytes())};
 }
 
-void SafetensorsFile::will_need(const TensorInfo& t, uint64_t offset, uint64_t len) const {
-  file_.will_need(data_start_ + t.begin + offset, std::min(len, t.bytes() - offset));
-}
-
 void SafetensorsFile::read(const TensorInfo& t, uint64_t offset, uint64_t len, std::byte* dst) const {
   if (offset > t.bytes() || len > t.bytes() - offset) fail(path().string(), ": tensor '", t.name, "': read out of range");
   file_.read(data_start_ + t.begin + offset, len, dst);
-}
-
-void SafetensorsFile::release(const TensorInfo& t, uint64_t offset, uint64_t len) const {
-  file_.release(data_start_ + t.begin + offset, std::min(len, t.bytes() - offset));
 }
 
 // ---------------------------------------------------------------------------------------------
