@@ -157,7 +157,10 @@ inline std::string read_file(const fs::path& p) {
 
 inline CommandResult run_cli(const std::string& args, const fs::path& scratch) {
   const auto out = scratch / "cli.out", err = scratch / "cli.err";
-  const std::string cmd = std::string(BITDELTA_CLI) + " " + args + " >" + out.string() + " 2>" + err.string();
+  // BITDELTA_CLI_PATH overrides the build's path (binaries run from another directory, e.g. on the
+  // GPU machine).
+  const char* cli = std::getenv("BITDELTA_CLI_PATH");
+  const std::string cmd = std::string(cli ? cli : BITDELTA_CLI) + " " + args + " >" + out.string() + " 2>" + err.string();
   const int status = std::system(cmd.c_str());
   CommandResult r{WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(out), read_file(err)};
   fs::remove(out);

@@ -1,59 +1,96 @@
 #!/usr/bin/env bash
-# On the GPU machine: builds the CUDA backend alone (BITDELTA_CUDA_ONLY: that machine lacks our Debian
-# -dev packages), runs the gpu-labelled tests and the fused-linear benchmark, and writes the logs and
-# the results table under OUT_DIR.  Usage: tools/gpu_run.sh OUT_DIR [--quick]
-# Environment: BITDELTA_BENCH=0 skips the benchmark; BITDELTA_NCU=0 skips the ncu profile of the decode
-# kernels (8192x8192, cases a and b).
+# On the GPU machine: runs the gpu-labelled tests, a server smoke test on the device and the
+# benchmarks, writing logs and results under OUT_DIR.  Usage: tools/gpu_run.sh OUT_DIR
+#
+# Binaries: .device/bin (made here by tools/device_bundle.sh, carried to the GPU machine with the
+# Debian libraries it lacks in .device/lib), since that machine has no package registry for our
+# -dev packages. Without .device/, the CUDA kernels alone are built there from source
+# (-DBITDELTA_CUDA_ONLY=ON) and only their test and benchmark run.
+#
+# BITDELTA_STAGES (default "tests serve e2e"): any of
+#   tests    bitdelta_gpu_tests (ops, model vs fixtures and CPU, engine tiers, CLI) + test_cuda_fused_linear
+#   serve    `bitdelta serve --device cuda` on the demo family, one request per variant, /metrics
+#   kernels  bench_cuda_fused_linear (the linear-layer table of issue 6)
+#   e2e      a synthetic Llama-2-7B-shaped model with 14 deltas (made here, in /tmp) and bench_gpu_e2e
 set -uo pipefail
-out=${1:?usage: tools/gpu_run.sh OUT_DIR [--quick]}
-quick=${2:-}
+out=${1:?usage: tools/gpu_run.sh OUT_DIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
+root=$(pwd)
 export PATH=/usr/local/cuda/bin:$PATH
-build=${BITDELTA_GPU_BUILD:-build-gpu}
+stages=${BITDELTA_STAGES:-tests serve e2e}
+has() { [[ " $stages " == *" $1 "* ]]; }
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
-  nvcc --version | tail -2
-  cmake --version | head -1
-  g++ --version | head -1
+  nproc
+  free -g | head -2
+  df -h /tmp | tail -1
 } >"$out/machine.txt" 2>&1
 cat "$out/machine.txt"
-
-tests=ON
-if ! cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBITDELTA_CUDA_ONLY=ON \
-      -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc -DCMAKE_CUDA_FLAGS="--threads=0" >"$out/configure.log" 2>&1; then
-  # Without OpenBLAS's cblas.h the CPU reference (and so the test) cannot build: benchmark alone.
-  echo "configure with tests failed (see configure.log); building the benchmark alone"
-  tests=OFF
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBITDELTA_CUDA_ONLY=ON -DBITDELTA_BUILD_TESTS=OFF \
-    -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc -DCMAKE_CUDA_FLAGS="--threads=0" >>"$out/configure.log" 2>&1 ||
-    { tail -30 "$out/configure.log"; exit 1; }
-fi
-if ! cmake --build "$build" -j "$(nproc)" >"$out/build.log" 2>&1; then
-  tail -40 "$out/build.log"
-  exit 1
-fi
-grep -i -E "warning|spill" "$out/build.log" | head -5
-
 status=0
-if [ "$tests" = ON ]; then
-  ctest --test-dir "$build" -L gpu -V >"$out/test.log" 2>&1 || status=1
-  grep -E "FAIL|checks passed|tests passed|tests failed" "$out/test.log" | head -20
-else
-  echo "gpu tests NOT built (no cblas.h)" | tee "$out/test.log"
-  status=1
+
+if [ ! -x .device/bin/bitdelta ]; then
+  echo "no .device/bin: building the CUDA kernels alone"
+  build=build-gpu
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBITDELTA_CUDA_ONLY=ON \
+    -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc -DCMAKE_CUDA_FLAGS="--threads=0" >"$out/build.log" 2>&1 &&
+    cmake --build "$build" -j "$(nproc)" >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+  "$build/src/backend/cuda/test_cuda_fused_linear" >"$out/test.log" 2>&1 || status=1
+  tail -3 "$out/test.log"
+  "$build/src/backend/cuda/bench_cuda_fused_linear" >"$out/bench.log" 2>&1 || status=1
+  cat "$out/bench.log"
+  exit $status
 fi
 
-[ "${BITDELTA_BENCH:-1}" = 1 ] || exit $status
-"$build/src/backend/cuda/bench_cuda_fused_linear" $quick >"$out/bench.log" 2>&1 || status=1
-cp "$out/bench.log" "$out/results.txt"
-# Hardware counters of the decode kernels (8192x8192: 1 row 1 variant, then 16 rows 16 variants).
-if [ "${BITDELTA_NCU:-1}" = 1 ] && command -v ncu >/dev/null; then
-  ncu --clock-control none -k regex:decode_kernel --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section Occupancy --section WarpStateStats --section LaunchStats \
-    "$build/src/backend/cuda/bench_cuda_fused_linear" --profile >"$out/ncu.txt" 2>&1 || echo "ncu failed (see ncu.txt)"
+bin=$root/.device/bin
+export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export BITDELTA_SOURCE_DIR=$root BITDELTA_CLI_PATH=$bin/bitdelta
+
+if has tests; then
+  echo "== tests"
+  "$bin/bitdelta_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |worst|engine:|^  |tests ran" || true
+  grep -q "^\[  PASSED  \]" "$out/gpu_tests.log" && ! grep -q "^\[  FAILED  \]" "$out/gpu_tests.log" || status=1
+  "$bin/test_cuda_fused_linear" >"$out/kernel_test.log" 2>&1 || status=1
+  tail -2 "$out/kernel_test.log"
 fi
-cat "$out/bench.log"
+
+if has serve; then
+  echo "== serve --device cuda"
+  port=18080
+  "$bin/bitdelta" serve --device cuda --port $port --cache-dir /tmp/bitdelta-demo >"$out/serve.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 120); do curl -sf localhost:$port/health >/dev/null && break; sleep 0.5; done
+  for m in base coder math writer legal; do
+    r=$(curl -s localhost:$port/v1/completions -H 'Content-Type: application/json' \
+      -d "{\"model\": \"$m\", \"prompt\": \"def add(a, b):\", \"max_tokens\": 16, \"temperature\": 0}")
+    echo "$m: $r" | tee -a "$out/serve.log" | cut -c1-200
+    echo "$r" | grep -q '"text"' || status=1
+  done
+  curl -s localhost:$port/metrics | grep -E "^bitdelta_(requests_total|delta_cache_(loads|host_hits)_total)" | tee -a "$out/serve.log"
+  kill $pid
+  wait $pid 2>/dev/null
+fi
+
+if has kernels; then
+  echo "== kernels"
+  "$bin/bench_cuda_fused_linear" >"$out/kernel_bench.log" 2>&1 || status=1
+  cat "$out/kernel_bench.log"
+fi
+
+if has e2e; then
+  echo "== e2e: synthetic Llama-2-7B shape, 14 deltas"
+  data=/tmp/l7b
+  if [ ! -f $data/deltas/v13.bitdelta ]; then
+    t0=$(date +%s)
+    "$bin/make_synthetic" $data --layers 32 --hidden 4096 --inter 11008 --vocab 32000 --heads 32 --kv-heads 32 \
+      --tie 0 --shards 3 --finetune 0 --deltas 14 >"$out/make_synthetic.log" 2>&1 || { cat "$out/make_synthetic.log"; exit 1; }
+    echo "made in $(( $(date +%s) - t0 )) s"
+  fi
+  # The engine needs a tokenizer: the demo family's (its ids are a subset of this vocabulary).
+  cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json \
+    $data/base/ 2>/dev/null
+  "$bin/bench_gpu_e2e" $data ${BITDELTA_E2E_ARGS:-} --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" || status=1
+fi
 exit $status

@@ -27,6 +27,8 @@ struct EngineOptions {
   std::vector<std::string> pinned;   // never evicted
   size_t protect_top = 0;            // the top-N variants by request rate are never evicted
   double rate_half_life_s = 60;      // decay of the request-rate estimate
+  std::string device = "cpu";        // cpu | cuda | cuda:N (delta_cache_bytes is then GPU memory)
+  uint64_t host_cache_bytes = uint64_t(16) << 30;  // cuda: pinned host copies of evicted deltas
 };
 
 // Why a submit() was refused before it started.
@@ -104,6 +106,7 @@ struct EngineMetrics {
   uint64_t steps = 0, mixed_steps = 0;  // steps, and steps whose rows came from 2+ variants
   uint64_t max_variants_in_step = 0;
   uint64_t cache_hits = 0, cache_misses = 0, cache_loads = 0, cache_load_failures = 0, cache_evictions = 0;
+  uint64_t cache_host_hits = 0;  // device loads served from the pinned host tier (no file read)
   double cache_load_seconds = 0;
   uint64_t cache_resident_bytes = 0, cache_budget_bytes = 0;
 };

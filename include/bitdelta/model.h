@@ -18,6 +18,12 @@
 
 namespace bitdelta {
 
+namespace cuda {
+class DeviceModel;
+class DeviceVariant;
+class DeviceKV;
+}  // namespace cuda
+
 enum LinearKind { kQ, kK, kV, kO, kGate, kUp, kDown, kLinearCount };
 
 // One weight table entry: where a tensor is, and what it must look like.
@@ -48,7 +54,29 @@ struct VariantWeights {
 struct Sequence {
   int variant = 0;
   size_t length = 0;                          // tokens already in the cache
-  std::vector<std::vector<float>> keys, values;  // per layer: [position][kv_heads * head_dim]
+  std::vector<std::vector<float>> keys, values;  // CPU: per layer [position][kv_heads * head_dim]
+  std::shared_ptr<cuda::DeviceKV> device_kv;     // CUDA: the cache in device memory
+};
+
+enum class Device { Cpu, Cuda };
+
+struct ModelOptions {
+  size_t threads = 0;                              // CPU worker threads (0: all cores)
+  Device device = Device::Cpu;
+  int cuda_device = 0;                             // CUDA device ordinal
+  uint64_t host_cache_bytes = uint64_t(16) << 30;  // CUDA: pinned host copies of deltas kept for reloads
+};
+// Parses "cpu", "cuda" or "cuda:N" into options.device / cuda_device; throws Error otherwise.
+void parse_device(const std::string& text, ModelOptions& options);
+
+// A variant made ready off the engine thread (prepare_variant): its weights resolved against the
+// base and, on a device, its tensors uploaded. install_variant then makes it usable at once.
+struct PreparedVariant {
+  std::unique_ptr<VariantWeights> weights;
+  std::shared_ptr<cuda::DeviceVariant> device;
+  uint64_t device_bytes = 0;
+  bool host_hit = false;            // the pinned host copy was cached (no file read)
+  double read_s = 0, copy_s = 0;    // file → pinned host memory, host → device
 };
 
 struct ForwardRow {
@@ -60,17 +88,26 @@ struct ForwardRow {
 class Model {
  public:
   explicit Model(const std::filesystem::path& checkpoint_dir, size_t threads = 0);
+  Model(const std::filesystem::path& checkpoint_dir, const ModelOptions& options);
+  ~Model();
 
   const ModelConfig& config() const { return config_; }
   const Checkpoint& checkpoint() const { return base_; }
   const std::string& fingerprint() const { return fingerprint_; }
   ThreadPool& pool() const { return *pool_; }
+  Device device() const { return device_ ? Device::Cuda : Device::Cpu; }
+  cuda::DeviceModel* device_model() const { return device_.get(); }  // null on the CPU
 
   // Adds a variant from a delta file made against this base (refused, naming both fingerprints,
   // when made for another base unless `force`). Returns its id; the base is 0. The base is never
   // copied.
   int add_variant(const std::string& name, const std::filesystem::path& delta_path, bool force = false);
   int add_variant(const std::string& name, std::shared_ptr<const DeltaFile> delta, bool force = false);
+  // add_variant in two halves: prepare (thread-safe, may take long: validation, device upload) and
+  // install (cheap; the thread that runs forward).
+  std::unique_ptr<PreparedVariant> prepare_variant(const std::string& name, std::shared_ptr<const DeltaFile> delta,
+                                                   bool force = false) const;
+  int install_variant(std::unique_ptr<PreparedVariant> prepared);
   // Drops a variant (its delta file is unmapped when nothing else holds it). Sequences of it must
   // be finished first. The id is not reused.
   void remove_variant(int id);
@@ -91,7 +128,9 @@ class Model {
   std::string fingerprint_;
   std::unique_ptr<ThreadPool> pool_;
   std::vector<std::unique_ptr<VariantWeights>> variants_;
+  const VariantWeights* base_weights_ = nullptr;  // variants_[0], read by prepare_variant on other threads
   std::vector<float> inv_freq_;  // rotary frequencies, head_dim / 2
+  std::unique_ptr<cuda::DeviceModel> device_;  // set with Device::Cuda: forward runs there
 };
 
 }  // namespace bitdelta

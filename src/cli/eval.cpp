@@ -14,6 +14,7 @@
 #include "bitdelta/error.h"
 #include "bitdelta/evaluate.h"
 #include "cli_util.h"
+#include "model_args.h"
 #include "commands.h"
 
 namespace bitdelta::cli {
@@ -46,7 +47,7 @@ std::string fmt(double v, const char* f = "%.3f") {
 
 void add_eval_command(CLI::App& app) {
   struct Args {
-    std::string base, math, alpha = "row";
+    std::string base, math, alpha = "row", device = "cpu";
     std::vector<std::string> variants, texts;
     size_t threads = 0;
     bool json = false;
@@ -60,8 +61,9 @@ void add_eval_command(CLI::App& app) {
   cmd->add_option("--alpha", a->alpha, "Alpha mode when compressing")->check(CLI::IsMember({"row", "tensor"}));
   cmd->add_option("--threads", a->threads, "Worker threads (0: all cores)");
   cmd->add_flag("--json", a->json, "Print the results as JSON");
+  add_device_option(cmd, a->device);
   cmd->callback([a] {
-    Model base(a->base, a->threads);
+    Model base(a->base, model_options(a->device, a->threads));
     const Tokenizer tokenizer(a->base);
     std::map<std::string, std::string> texts;
     for (const auto& t : a->texts) texts.insert(split_pair(t, "--text"));
@@ -93,7 +95,7 @@ void add_eval_command(CLI::App& app) {
         o.threads = a->threads;
         const auto report = compress(base.checkpoint(), Checkpoint(path), delta_path, o);
         r["finetuned_bytes"] = report.finetuned_bytes;
-        full = std::make_unique<Model>(path, a->threads);
+        full = std::make_unique<Model>(path, model_options(a->device, a->threads));
       }
       r["delta_bytes"] = fs::file_size(delta_path);
       const int id = base.add_variant(name, delta_path);

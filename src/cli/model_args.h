@@ -1,4 +1,4 @@
-// What the subcommands that run a model share: the base directory, an optional delta, threads.
+// What the subcommands that run a model share: the base directory, an optional delta, threads, device.
 #pragma once
 
 #include <climits>
@@ -14,21 +14,34 @@
 namespace bitdelta::cli {
 
 struct ModelArgs {
-  std::string base, delta;
+  std::string base, delta, device = "cpu";
   size_t threads = 0;
   bool force = false;
 };
+
+// --device: cpu | cuda | cuda:N (every subcommand that runs a model has it).
+inline void add_device_option(CLI::App* cmd, std::string& device) {
+  cmd->add_option("--device", device, "cpu, cuda or cuda:N")->capture_default_str();
+}
+
+inline ModelOptions model_options(const std::string& device, size_t threads) {
+  ModelOptions o;
+  o.threads = threads;
+  parse_device(device, o);
+  return o;
+}
 
 inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
   cmd->add_option("BASE", a.base, "Base checkpoint directory")->required();
   cmd->add_option("--delta", a.delta, "A .bitdelta file: run this variant instead of the base");
   cmd->add_option("--threads", a.threads, "Worker threads (0: all cores)");
   cmd->add_flag("--force", a.force, "Accept a delta made for a base with another fingerprint");
+  add_device_option(cmd, a.device);
 }
 
 // The model and the id of the variant to run (0: the base).
 inline std::pair<std::unique_ptr<Model>, int> load(const ModelArgs& a) {
-  auto model = std::make_unique<Model>(a.base, a.threads);
+  auto model = std::make_unique<Model>(a.base, model_options(a.device, a.threads));
   const int variant = a.delta.empty() ? 0 : model->add_variant("variant", a.delta, a.force);
   return {std::move(model), variant};
 }

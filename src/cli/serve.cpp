@@ -41,7 +41,7 @@ struct ServeArgs {
   std::string config;
   ServerOptions server;
   EngineOptions engine;
-  std::string delta_cache_bytes;
+  std::string delta_cache_bytes, host_cache_bytes;
   std::string variants_dir, cache_dir;
   ServeArgs() { server.http_threads = 0; }  // 0: sized from the engine's limits
 };
@@ -108,6 +108,7 @@ void read_config(const fs::path& file, ServeArgs& a, std::vector<VariantSpec>& v
   get("api_key", a.server.api_key);
   get("base_name", a.engine.base_name);
   get("threads", a.engine.threads);
+  get("device", a.engine.device);
   get("max_batch_tokens", a.engine.max_batch_tokens);
   get("max_running", a.engine.max_running);
   get("max_queue", a.engine.max_queue);
@@ -256,6 +257,9 @@ void add_serve_command(CLI::App& app) {
                   "Directory /v1/variants/load may read from (default: loading off)");
   cmd->add_option("--cache-dir", a->cache_dir, "Where fine-tune directories are compressed to");
   cmd->add_option("--threads", a->engine.threads, "Compute threads (0: all cores)");
+  cmd->add_option("--device", a->engine.device, "cpu, cuda or cuda:N (the delta cache is then GPU memory)");
+  cmd->add_option("--host-cache-bytes", a->host_cache_bytes,
+                  "cuda: pinned host memory kept for evicted deltas (e.g. 16G)");
   cmd->add_option("--http-threads", a->server.http_threads,
                   "Connections served at once (0: max-running + max-queue + 16, so a full queue is "
                   "seen as 429)");
@@ -278,6 +282,8 @@ void add_serve_command(CLI::App& app) {
     if (given("--variants-dir")) args.variants_dir = a->variants_dir;
     if (given("--cache-dir")) args.cache_dir = a->cache_dir;
     if (given("--threads")) args.engine.threads = a->engine.threads;
+    if (given("--device")) args.engine.device = a->engine.device;
+    if (given("--host-cache-bytes")) args.host_cache_bytes = a->host_cache_bytes;
     if (given("--http-threads")) args.server.http_threads = a->server.http_threads;
     for (const auto& p : a->engine.pinned) args.engine.pinned.push_back(p);
     for (const auto& v : a->variant_args) variants.push_back(parse_variant_arg(v));
@@ -296,6 +302,8 @@ void add_serve_command(CLI::App& app) {
     if (cache_dir.empty()) cache_dir = fs::temp_directory_path() / "bitdelta-cache";
     if (!args.delta_cache_bytes.empty())
       args.engine.delta_cache_bytes = parse_bytes(args.delta_cache_bytes, "--delta-cache-bytes");
+    if (!args.host_cache_bytes.empty())
+      args.engine.host_cache_bytes = parse_bytes(args.host_cache_bytes, "--host-cache-bytes");
     for (const auto& v : variants)
       if (v.pinned) args.engine.pinned.push_back(v.name);
     args.server.variants_dir = args.variants_dir;

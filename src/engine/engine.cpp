@@ -91,11 +91,19 @@ struct VariantEntry {
   Clock::time_point rate_time = Clock::now(), last_used = Clock::now();
   uint64_t requests = 0;
   size_t active = 0;  // requests queued, waiting or running for it
-  std::future<std::shared_ptr<const DeltaFile>> load;
+  std::future<std::unique_ptr<PreparedVariant>> load;
   Clock::time_point load_start;
   std::deque<std::shared_ptr<Request>> waiting_load;  // single flight: they all wait on `load`
   bool load_requested = false;                        // load without a request (serve --variant at start)
 };
+
+static ModelOptions model_options(const EngineOptions& o) {
+  ModelOptions m;
+  m.threads = o.threads;
+  m.host_cache_bytes = o.host_cache_bytes;
+  parse_device(o.device, m);
+  return m;
+}
 
 struct Engine::Impl {
   EngineOptions opt;
@@ -123,7 +131,7 @@ struct Engine::Impl {
   std::vector<Loader> loaders;  // engine thread only: started in start_load, joined once done
 
   Impl(const fs::path& dir, EngineOptions o)
-      : opt(std::move(o)), base_dir(dir), model(dir, opt.threads), tokenizer(dir) {
+      : opt(std::move(o)), base_dir(dir), model(dir, model_options(opt)), tokenizer(dir) {
     if (opt.max_batch_tokens < 1 || opt.max_running < 1) fail("max_batch_tokens and max_running must be at least 1");
     m.cache_budget_bytes = opt.delta_cache_bytes;
     per_variant[opt.base_name].name = opt.base_name;
@@ -194,25 +202,24 @@ struct Engine::Impl {
     v.load_start = Clock::now();
     ++m.cache_loads;
     const fs::path path = v.path;
-    const std::string fp = model.fingerprint();
-    const Checkpoint* base = &model.checkpoint();
-    std::promise<std::shared_ptr<const DeltaFile>> promise;
+    std::promise<std::unique_ptr<PreparedVariant>> promise;
     v.load = promise.get_future();
     auto& loader = loaders.emplace_back();
-    loader.thread = std::thread([this, path, fp, base, done = loader.done, promise = std::move(promise)]() mutable {
+    loader.thread = std::thread([this, path, name = v.name, done = loader.done,
+                                 promise = std::move(promise)]() mutable {
       try {
         auto delta = std::make_shared<const DeltaFile>(path);
-        if (delta->base_fingerprint() != fp)
-          fail(path.string(), ": made for a base with fingerprint ", delta->base_fingerprint(), ", but ",
-               base->dir().string(), " has fingerprint ", fp);
-        delta->check_against(*base);
-        // Host tier: bring every page into memory now, so the first step that uses it does not stall.
-        volatile uint8_t sink = 0;
-        for (const auto& t : delta->file().tensors()) {
-          const auto d = delta->file().view(t).data;
-          for (size_t i = 0; i < d.size(); i += 4096) sink = sink + uint8_t(d[i]);
+        // On the CPU, bring every page into memory now, so the first step that uses it does not
+        // stall; on a device, prepare_variant uploads it (through the pinned host tier) instead.
+        if (model.device() == Device::Cpu) {
+          volatile uint8_t sink = 0;
+          for (const auto& t : delta->file().tensors()) {
+            const auto d = delta->file().view(t).data;
+            for (size_t i = 0; i < d.size(); i += 4096) sink = sink + uint8_t(d[i]);
+          }
         }
-        promise.set_value(std::move(delta));
+        // Fingerprint and tensors checked, weights resolved (and uploaded) off the engine thread.
+        promise.set_value(model.prepare_variant(name, std::move(delta)));
       } catch (...) {
         promise.set_exception(std::current_exception());
       }
@@ -233,8 +240,9 @@ struct Engine::Impl {
       if (v.load.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
       m.cache_load_seconds += seconds(Clock::now() - v.load_start);
       try {
-        auto delta = v.load.get();
-        v.model_id = model.add_variant(name, delta);
+        auto prepared = v.load.get();
+        if (prepared->host_hit) ++m.cache_host_hits;
+        v.model_id = model.install_variant(std::move(prepared));
         v.state = "resident";
         v.last_error.clear();
         for (auto& r : v.waiting_load) {

@@ -6,6 +6,7 @@
 #include <numbers>
 
 #include "backend/cpu/fused_linear.h"
+#include "backend/cuda/device_model.h"
 #include "backend/cpu/ops.h"
 #include "bitdelta/error.h"
 #include "bitdelta/fingerprint.h"
@@ -88,7 +89,31 @@ std::vector<WeightSpec> weight_table(const ModelConfig& c) {
   return t;
 }
 
-Model::Model(const fs::path& dir, size_t threads) : base_(dir), pool_(std::make_unique<ThreadPool>(threads)) {
+void parse_device(const std::string& text, ModelOptions& options) {
+  if (text == "cpu") {
+    options.device = Device::Cpu;
+    return;
+  }
+  if (text == "cuda" || text.rfind("cuda:", 0) == 0) {
+    options.device = Device::Cuda;
+    options.cuda_device = 0;
+    if (text.size() > 5) {
+      const std::string n = text.substr(5);
+      if (n.empty() || n.find_first_not_of("0123456789") != std::string::npos || n.size() > 3)
+        fail("--device: '", text, "' is not cpu, cuda or cuda:N");
+      options.cuda_device = std::stoi(n);
+    }
+    return;
+  }
+  fail("--device: '", text, "' is not cpu, cuda or cuda:N");
+}
+
+Model::Model(const fs::path& dir, size_t threads) : Model(dir, ModelOptions{.threads = threads}) {}
+
+Model::~Model() = default;
+
+Model::Model(const fs::path& dir, const ModelOptions& options)
+    : base_(dir), pool_(std::make_unique<ThreadPool>(options.threads)) {
   const std::string config_path = (dir / "config.json").string();
   config_ = ModelConfig::from_json(base_.config(), config_path);
   fingerprint_ = bitdelta::fingerprint(base_);
@@ -124,7 +149,14 @@ Model::Model(const fs::path& dir, size_t threads) : base_(dir), pool_(std::make_
       if (has_bias(config_, k)) L.bias[size_t(k)] = floats_of(w.at(p + kLinearNames[k] + ".bias"));
     }
   }
+  base_weights_ = v.get();
   variants_.push_back(std::move(v));
+  if (options.device == Device::Cuda) {
+    cuda::DeviceOptions d;
+    d.device = options.cuda_device;
+    d.host_cache_bytes = options.host_cache_bytes;
+    device_ = std::make_unique<cuda::DeviceModel>(config_, *variants_[0], inv_freq_, d);
+  }
 }
 
 int Model::add_variant(const std::string& name, const fs::path& delta_path, bool force) {
@@ -132,12 +164,24 @@ int Model::add_variant(const std::string& name, const fs::path& delta_path, bool
 }
 
 int Model::add_variant(const std::string& name, std::shared_ptr<const DeltaFile> delta, bool force) {
-  if (find_variant(name) >= 0) fail("variant '", name, "' already exists");
+  return install_variant(prepare_variant(name, std::move(delta), force));
+}
+
+int Model::install_variant(std::unique_ptr<PreparedVariant> prepared) {
+  if (find_variant(prepared->weights->name) >= 0) fail("variant '", prepared->weights->name, "' already exists");
+  variants_.push_back(std::move(prepared->weights));
+  const int id = int(variants_.size() - 1);
+  if (device_) device_->install(id, std::move(prepared->device));
+  return id;
+}
+
+std::unique_ptr<PreparedVariant> Model::prepare_variant(const std::string& name, std::shared_ptr<const DeltaFile> delta,
+                                                        bool force) const {
   if (delta->base_fingerprint() != fingerprint_ && !force)
     fail(delta->path().string(), ": made for a base with fingerprint ", delta->base_fingerprint(), ", but ",
          base_.dir().string(), " has fingerprint ", fingerprint_);
   delta->check_against(base_);
-  auto v = std::make_unique<VariantWeights>(*variants_[0]);  // views and small vectors: the base is not copied
+  auto v = std::make_unique<VariantWeights>(*base_weights_);  // views and small vectors: the base is not copied
   v->name = name;
   v->delta = delta;
   auto replace = [&](const std::string& tensor, auto&& assign) {
@@ -172,8 +216,17 @@ int Model::add_variant(const std::string& name, std::shared_ptr<const DeltaFile>
   for (const auto& c : delta->compressed())
     if (std::none_of(table.begin(), table.end(), [&](const WeightSpec& s) { return s.name == c.name; }))
       fail(delta->path().string(), ": tensor '", c.name, "' is not a weight of this model");
-  variants_.push_back(std::move(v));
-  return int(variants_.size() - 1);
+  auto prepared = std::make_unique<PreparedVariant>();
+  if (device_) {
+    cuda::UploadStats stats;
+    prepared->device = device_->upload(*v, *delta, &stats);
+    prepared->device_bytes = stats.bytes;
+    prepared->host_hit = stats.host_hit;
+    prepared->read_s = stats.read_s;
+    prepared->copy_s = stats.copy_s;
+  }
+  prepared->weights = std::move(v);
+  return prepared;
 }
 
 int Model::find_variant(const std::string& name) const {
@@ -185,6 +238,7 @@ int Model::find_variant(const std::string& name) const {
 void Model::remove_variant(int id) {
   if (id <= 0 || size_t(id) >= variants_.size() || !variants_[size_t(id)]) fail("no variant with id ", id, " to remove");
   variants_[size_t(id)].reset();
+  if (device_) device_->remove(id);
 }
 
 const VariantWeights& Model::variant(int id) const {
@@ -262,6 +316,15 @@ std::vector<float> Model::forward(std::span<const ForwardRow> rows) {
     pos[r] = it->second++;
     if (pos[r] >= c.max_position)
       fail("sequence is longer than max_position_embeddings (", c.max_position, ")");
+  }
+
+  if (device_) {
+    std::vector<cuda::DeviceRow> drows(R);
+    for (size_t r = 0; r < R; ++r)
+      drows[r] = {&rows[r].sequence->device_kv, rows[r].sequence->variant, rows[r].token, pos[r], rows[r].want_logits};
+    auto logits = device_->forward(drows);
+    for (const auto& [s, p] : next_pos) s->length = p;
+    return logits;
   }
 
   // Embeddings, per row from its variant's table.

@@ -137,6 +137,8 @@ std::string render_metrics(const EngineMetrics& m, const std::vector<VariantStat
          double(m.cache_load_failures));
   scalar("bitdelta_delta_cache_load_seconds_total", "counter", "Time spent loading deltas.",
          m.cache_load_seconds);
+  scalar("bitdelta_delta_cache_host_hits_total", "counter",
+         "Device loads served from the pinned host tier (no file read).", double(m.cache_host_hits));
   scalar("bitdelta_delta_cache_evictions_total", "counter",
          "Deltas evicted to stay within the budget.", double(m.cache_evictions));
   scalar("bitdelta_delta_cache_resident_bytes", "gauge", "Bytes of resident deltas.",

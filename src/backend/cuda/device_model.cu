@@ -1,0 +1,643 @@
+#include "device_model.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <list>
+#include <map>
+#include <mutex>
+#include <numeric>
+
+#include "bitdelta/delta_file.h"
+#include "bitdelta/error.h"
+#include "bitdelta/model.h"
+#include "cuda_check.cuh"
+#include "fused_linear_decode.cuh"
+#include "fused_linear_prefill.cuh"
+#include "ops.cuh"
+
+namespace bitdelta::cuda {
+
+using bf16 = __nv_bfloat16;
+
+std::string unavailable_reason() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) return std::string("no usable CUDA device (") + cudaGetErrorString(e) + ")";
+  if (n == 0) return "no CUDA device found";
+  return "";
+}
+
+namespace {
+
+constexpr size_t kAlign = 256;           // every tensor on the device starts 256-byte aligned
+constexpr size_t kDecodeRows = 16;          // rows per fused decode launch (the kernel's limit)
+constexpr size_t kGemmRows = 32;         // a variant with this many rows in a step goes through a GEMM
+constexpr size_t kPrefillScratch = size_t(16) << 20;  // W_eff chunk elements (×2 buffers, bf16)
+
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// The device and the compute stream; everything allocated is freed in stream order on it, so a
+// buffer dropped between steps is reused only after the steps that read it.
+struct Context {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::atomic<uint64_t> variant_bytes{0}, kv_bytes{0}, scratch_bytes{0}, pinned_bytes{0};
+  ~Context() {
+    if (stream) {
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
+  }
+};
+
+void* device_alloc(size_t bytes, cudaStream_t stream, const char* what) {
+  void* p = nullptr;
+  const cudaError_t e = cudaMallocAsync(&p, std::max<size_t>(bytes, 1), stream);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    fail("out of GPU memory: ", what, " needs ", bytes >> 20, " MiB, ", free_b >> 20, " MiB free of ", total_b >> 20,
+         " MiB (", cudaGetErrorString(e), ")");
+  }
+  return p;
+}
+
+// A pinned host copy of one variant's device tensors, laid out exactly as on the device.
+struct PinnedPack {
+  PinnedPack(const PinnedPack&) = delete;
+  PinnedPack& operator=(const PinnedPack&) = delete;
+  void* host = nullptr;
+  size_t bytes = 0;
+  std::shared_ptr<Context> ctx;
+  PinnedPack(size_t n, std::shared_ptr<Context> c) : bytes(n), ctx(std::move(c)) {
+    if (cudaHostAlloc(&host, std::max<size_t>(n, 1), cudaHostAllocDefault) != cudaSuccess) {
+      cudaGetLastError();
+      fail("cannot pin ", n >> 20, " MiB of host memory for a delta");
+    }
+    ctx->pinned_bytes += bytes;
+  }
+  ~PinnedPack() {
+    cudaFreeHost(host);
+    ctx->pinned_bytes -= bytes;
+  }
+};
+
+// The host tier: pinned copies of recently loaded deltas under a byte budget, least recently used
+// dropped first (never one that an upload is reading).
+class HostTier {
+ public:
+  explicit HostTier(uint64_t budget) : budget_(budget) {}
+  std::shared_ptr<PinnedPack> get(const std::string& key) {
+    std::lock_guard lock(mutex_);
+    for (auto it = lru_.begin(); it != lru_.end(); ++it)
+      if (it->first == key) {
+        lru_.splice(lru_.begin(), lru_, it);
+        return it->second;
+      }
+    return nullptr;
+  }
+  void put(const std::string& key, std::shared_ptr<PinnedPack> pack) {
+    std::lock_guard lock(mutex_);
+    lru_.emplace_front(key, std::move(pack));
+    uint64_t total = 0;
+    for (auto& [_, p] : lru_) total += p->bytes;
+    for (auto it = std::prev(lru_.end()); total > budget_ && it != lru_.begin();) {
+      auto victim = it--;
+      if (victim->second.use_count() > 1) continue;
+      total -= victim->second->bytes;
+      lru_.erase(victim);
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  uint64_t budget_;
+  std::list<std::pair<std::string, std::shared_ptr<PinnedPack>>> lru_;
+};
+
+// A delta file's identity for the host tier: path, size and modification time.
+std::string file_key(const std::filesystem::path& path) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0) return "";
+  return str(std::filesystem::absolute(path).string(), ':', st.st_size, ':', st.st_mtim.tv_sec, '.',
+             st.st_mtim.tv_nsec);
+}
+
+}  // namespace
+
+struct LinearOnDevice {
+  const bf16* w = nullptr;
+  DeltaRef delta;  // device pointers
+};
+
+class DeviceVariant {
+ public:
+  DeviceVariant() = default;
+  DeviceVariant(const DeviceVariant&) = delete;  // owns its buffer
+  DeviceVariant& operator=(const DeviceVariant&) = delete;
+  std::shared_ptr<Context> ctx;
+  void* buffer = nullptr;
+  size_t bytes = 0;
+  const bf16* embed = nullptr;
+  const bf16* lm_head = nullptr;
+  const float* norms = nullptr;
+  const float* bias = nullptr;
+  std::vector<std::array<LinearOnDevice, kLinearCount>> layers;
+  ~DeviceVariant() {
+    if (buffer) {
+      cudaFreeAsync(buffer, ctx->stream);
+      ctx->variant_bytes -= bytes;
+    }
+  }
+};
+
+class DeviceKV {
+ public:
+  DeviceKV() = default;
+  DeviceKV(const DeviceKV&) = delete;  // owns its buffer
+  DeviceKV& operator=(const DeviceKV&) = delete;
+  std::shared_ptr<Context> ctx;
+  bf16* data = nullptr;
+  size_t capacity = 0;  // positions
+  size_t bytes = 0;
+  ~DeviceKV() {
+    if (data) {
+      cudaFreeAsync(data, ctx->stream);
+      ctx->kv_bytes -= bytes;
+    }
+  }
+};
+
+namespace {
+
+// One tensor a variant needs on the device: where it comes from on the host, and which pointer of
+// the DeviceVariant it becomes.
+struct Item {
+  const void* src;
+  DType src_dtype;
+  size_t count;  // elements
+  DType dst_dtype;
+  const void** slot;
+  size_t offset = 0;
+};
+
+// Writes one item's device bytes (converted to its device dtype) to dst.
+void fill(const Item& it, void* dst) {
+  if (it.src_dtype == it.dst_dtype) {
+    std::memcpy(dst, it.src, it.count * dtype_size(it.dst_dtype));
+    return;
+  }
+  std::vector<float> tmp(it.count);
+  to_f32(it.src_dtype, static_cast<const std::byte*>(it.src), tmp.data(), it.count);
+  from_f32(it.dst_dtype, tmp.data(), static_cast<std::byte*>(dst), it.count);
+}
+
+// The items of a variant, in a fixed order (so a cached pinned pack of the same file lines up):
+// every tensor that differs from the base's (all of them for the base itself), its signs and α,
+// then its norms and biases as float32 blocks (built into norms/bias). Shared tensors point at the
+// base's device copy. Returns the total device bytes.
+size_t plan(const ModelConfig& c, const VariantWeights& v, const VariantWeights* base, const DeviceVariant* base_dev,
+            DeviceVariant& dv, std::vector<float>& norms, std::vector<float>& bias, std::vector<Item>& items) {
+  const size_t H = c.hidden, L = c.layers, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim;
+  auto add = [&](const void* src, DType src_dtype, size_t count, DType dst_dtype, const void** slot) {
+    items.push_back({src, src_dtype, count, dst_dtype, slot});
+  };
+  auto matrix = [&](const TensorView& t, const TensorView* shared_with, const bf16* shared_dev, const bf16** slot) {
+    if (shared_with && t.data.data() == shared_with->data.data()) {
+      *slot = shared_dev;
+      return;
+    }
+    add(t.data.data(), t.dtype, t.numel(), DType::BF16, reinterpret_cast<const void**>(slot));
+  };
+  matrix(v.embed, base ? &base->embed : nullptr, base_dev ? base_dev->embed : nullptr, &dv.embed);
+  if (c.tie_embeddings) {
+    dv.lm_head = nullptr;  // set after upload: the same as embed
+  } else {
+    matrix(v.lm_head, base ? &base->lm_head : nullptr, base_dev ? base_dev->lm_head : nullptr, &dv.lm_head);
+  }
+  dv.layers.resize(L);
+  for (size_t l = 0; l < L; ++l)
+    for (int k = 0; k < kLinearCount; ++k) {
+      auto& lin = dv.layers[l][size_t(k)];
+      const TensorView& t = v.layers[l].linear[size_t(k)];
+      matrix(t, base ? &base->layers[l].linear[size_t(k)] : nullptr,
+             base_dev ? base_dev->layers[l][size_t(k)].w : nullptr, &lin.w);
+      const DeltaRef& d = v.layers[l].delta[size_t(k)];
+      if (!d.signs) continue;
+      const size_t N = t.shape[0], K = t.shape[1];
+      lin.delta.alpha_per_row = d.alpha_per_row;
+      add(d.signs, DType::U8, N * ((K + 7) / 8), DType::U8, reinterpret_cast<const void**>(&lin.delta.signs));
+      add(d.alpha, DType::F32, d.alpha_per_row ? N : 1, DType::F32, reinterpret_cast<const void**>(&lin.delta.alpha));
+    }
+  norms.assign((2 * L + 1) * H, 0.0f);
+  for (size_t l = 0; l < L; ++l) {
+    std::copy(v.layers[l].attn_norm.begin(), v.layers[l].attn_norm.end(), norms.begin() + long((2 * l) * H));
+    std::copy(v.layers[l].mlp_norm.begin(), v.layers[l].mlp_norm.end(), norms.begin() + long((2 * l + 1) * H));
+  }
+  std::copy(v.final_norm.begin(), v.final_norm.end(), norms.begin() + long(2 * L * H));
+  add(norms.data(), DType::F32, norms.size(), DType::F32, reinterpret_cast<const void**>(&dv.norms));
+  if (c.qkv_bias || c.o_bias) {
+    const size_t stride = q + 2 * kv + H;
+    bias.assign(L * stride, 0.0f);
+    const size_t at[4] = {0, q, q + kv, q + 2 * kv};
+    for (size_t l = 0; l < L; ++l)
+      for (int k = kQ; k <= kO; ++k) {
+        const auto& b = v.layers[l].bias[size_t(k)];
+        std::copy(b.begin(), b.end(), bias.begin() + long(l * stride + at[k]));
+      }
+    add(bias.data(), DType::F32, bias.size(), DType::F32, reinterpret_cast<const void**>(&dv.bias));
+  }
+  size_t total = 0;
+  for (auto& it : items) {
+    it.offset = total;
+    total += align_up(it.count * dtype_size(it.dst_dtype));
+  }
+  return total;
+}
+
+// Points the variant's slots into its device buffer.
+void bind_slots(DeviceVariant& dv, const std::vector<Item>& items, bool tied) {
+  for (const auto& it : items) *it.slot = static_cast<const std::byte*>(dv.buffer) + it.offset;
+  if (tied) dv.lm_head = dv.embed;
+}
+
+}  // namespace
+
+struct DeviceModel::Impl {
+  ModelConfig c;
+  DeviceOptions opt;
+  std::shared_ptr<Context> ctx = std::make_shared<Context>();
+  std::vector<std::shared_ptr<DeviceVariant>> variants;  // by model id; [0] the base
+  const VariantWeights* base_cpu = nullptr;  // the CPU model's base (shared tensors are its views)
+  const DeviceVariant* base_dev = nullptr;   // == variants[0], read by uploads on other threads
+  float* inv_freq = nullptr;
+  std::unique_ptr<PrefillLinear> prefill;
+  mutable HostTier host_tier;
+  std::string name;
+
+  // Step scratch, grown on demand.
+  size_t cap_rows = 0;
+  std::byte* scratch = nullptr;
+  float *x = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
+        *down = nullptr, *logits = nullptr;
+  bf16 *h = nullptr, *attn = nullptr, *act = nullptr;
+  RowDesc* rows_dev = nullptr;
+  int* map_dev = nullptr;
+  // Pinned staging for the step's row descriptors and its logits.
+  void* host_in = nullptr;
+  size_t host_in_bytes = 0;
+  float* host_logits = nullptr;
+  size_t host_logits_elems = 0;
+
+  Impl(const ModelConfig& config, const DeviceOptions& o) : c(config), opt(o), host_tier(o.host_cache_bytes) {}
+  ~Impl() {
+    if (ctx->stream) cudaStreamSynchronize(ctx->stream);
+    variants.clear();
+    prefill.reset();
+    if (scratch) cudaFreeAsync(scratch, ctx->stream);
+    if (inv_freq) cudaFreeAsync(inv_freq, ctx->stream);
+    if (ctx->stream) cudaStreamSynchronize(ctx->stream);
+    if (host_in) cudaFreeHost(host_in);
+    if (host_logits) cudaFreeHost(host_logits);
+  }
+
+  void ensure_scratch(size_t rows) {
+    if (rows <= cap_rows) return;
+    const size_t R = std::max(rows, cap_rows * 2), H = c.hidden, I = c.intermediate;
+    const size_t qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim, V = c.vocab_size;
+    const size_t sizes[] = {R * H * 4,  R * qd * 4, R * kvd * 4, R * kvd * 4, R * H * 4,
+                            R * I * 4,  R * I * 4,  R * H * 4,   R * V * 4,   R * std::max({H, qd}) * 2,
+                            R * qd * 2, R * I * 2,  R * sizeof(RowDesc), R * 4};
+    size_t total = 0;
+    for (size_t s : sizes) total += align_up(s);
+    if (scratch) {
+      cudaFreeAsync(scratch, ctx->stream);
+      ctx->scratch_bytes -= ctx->scratch_bytes.load();
+    }
+    scratch = static_cast<std::byte*>(device_alloc(total, ctx->stream, "step activations"));
+    ctx->scratch_bytes += total + 2 * kPrefillScratch * 2;
+    std::byte* p = scratch;
+    auto take = [&](size_t s) {
+      std::byte* r = p;
+      p += align_up(s);
+      return r;
+    };
+    x = reinterpret_cast<float*>(take(sizes[0]));
+    q = reinterpret_cast<float*>(take(sizes[1]));
+    k = reinterpret_cast<float*>(take(sizes[2]));
+    v = reinterpret_cast<float*>(take(sizes[3]));
+    o = reinterpret_cast<float*>(take(sizes[4]));
+    gate = reinterpret_cast<float*>(take(sizes[5]));
+    up = reinterpret_cast<float*>(take(sizes[6]));
+    down = reinterpret_cast<float*>(take(sizes[7]));
+    logits = reinterpret_cast<float*>(take(sizes[8]));
+    h = reinterpret_cast<bf16*>(take(sizes[9]));
+    attn = reinterpret_cast<bf16*>(take(sizes[10]));
+    act = reinterpret_cast<bf16*>(take(sizes[11]));
+    rows_dev = reinterpret_cast<RowDesc*>(take(sizes[12]));
+    map_dev = reinterpret_cast<int*>(take(sizes[13]));
+    cap_rows = R;
+    const size_t in_bytes = R * (sizeof(RowDesc) + 4);
+    if (in_bytes > host_in_bytes) {
+      BITDELTA_CUDA_CHECK(cudaStreamSynchronize(ctx->stream));
+      if (host_in) cudaFreeHost(host_in);
+      BITDELTA_CUDA_CHECK(cudaHostAlloc(&host_in, in_bytes, cudaHostAllocDefault));
+      host_in_bytes = in_bytes;
+    }
+  }
+
+  // y[rows, N] = x[rows, K] · W_effᵀ for rows that each name their weight and delta. Consecutive
+  // rows with the same weight form a segment; inside it a variant with ≥ kGemmRows rows goes
+  // through cuBLAS (W_eff materialized per chunk for a delta), the others through the fused decode
+  // kernel, up to 16 rows (of any variants) per launch, which reads the base once per launch.
+  void linear(const std::vector<const LinearOnDevice*>& lin, const bf16* xin, int K, float* y, int N) {
+    const size_t R = lin.size();
+    std::vector<DeltaRef> deltas;
+    for (size_t a = 0; a < R;) {
+      auto same_weight = [&](size_t i) { return lin[i]->w == lin[a]->w; };
+      auto run_end = [&](size_t i) {  // end of the run of rows with row i's weight and signs
+        size_t e = i;
+        while (e < R && lin[e]->w == lin[i]->w && lin[e]->delta.signs == lin[i]->delta.signs) ++e;
+        return e;
+      };
+      const size_t e = run_end(a);
+      if (e - a >= kGemmRows) {
+        const auto method = lin[a]->delta.signs ? PrefillMethod::kMaterialize : PrefillMethod::kBaseOnly;
+        prefill->run(method, lin[a]->w, N, K, xin + a * size_t(K), int(e - a), lin[a]->delta, y + a * size_t(N));
+        a = e;
+        continue;
+      }
+      // Small runs: gather up to 16 rows of this weight into one decode launch.
+      size_t b = a;
+      while (b < R && b - a < kDecodeRows && same_weight(b)) {
+        const size_t re = run_end(b);
+        if (re - b >= kGemmRows) break;
+        b = std::min(re, a + kDecodeRows);
+      }
+      deltas.clear();
+      for (size_t i = a; i < b; ++i) deltas.push_back(lin[i]->delta);
+      fused_linear_decode(lin[a]->w, N, K, xin + a * size_t(K), int(b - a), deltas, y + a * size_t(N), ctx->stream);
+      a = b;
+    }
+  }
+};
+
+DeviceModel::DeviceModel(const ModelConfig& config, const VariantWeights& base, std::span<const float> inv_freq,
+                         const DeviceOptions& options)
+    : impl_(std::make_unique<Impl>(config, options)) {
+  auto& m = *impl_;
+  if (const std::string why = unavailable_reason(); !why.empty()) fail("--device cuda: ", why);
+  int count = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (options.device < 0 || options.device >= count)
+    fail("--device cuda:", options.device, ": only ", count, " CUDA device(s)");
+  m.ctx->device = options.device;
+  BITDELTA_CUDA_CHECK(cudaSetDevice(options.device));
+  cudaDeviceProp prop{};
+  BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, options.device));
+  m.name = prop.name;
+  if (config.head_dim > 256 || config.head_dim % 2) fail("--device cuda: head_dim ", config.head_dim, " unsupported");
+  // Freed stream-ordered memory stays in the pool: steps and loads re-allocate without the driver.
+  cudaMemPool_t pool;
+  BITDELTA_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, options.device));
+  uint64_t threshold = UINT64_MAX;
+  BITDELTA_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&m.ctx->stream, cudaStreamNonBlocking));
+  m.prefill = std::make_unique<PrefillLinear>(m.ctx->stream, kPrefillScratch);
+  m.inv_freq = static_cast<float*>(device_alloc(inv_freq.size_bytes(), m.ctx->stream, "rotary frequencies"));
+  BITDELTA_CUDA_CHECK(
+      cudaMemcpyAsync(m.inv_freq, inv_freq.data(), inv_freq.size_bytes(), cudaMemcpyHostToDevice, m.ctx->stream));
+
+  // The base: every tensor, copied item by item (converted to bf16 where the checkpoint is not).
+  auto dv = std::make_shared<DeviceVariant>();
+  dv->ctx = m.ctx;
+  std::vector<float> norms, bias;
+  std::vector<Item> items;
+  dv->bytes = plan(config, base, nullptr, nullptr, *dv, norms, bias, items);
+  dv->buffer = device_alloc(dv->bytes, m.ctx->stream, "the base weights");
+  m.ctx->variant_bytes += dv->bytes;
+  std::vector<std::byte> tmp;
+  for (const auto& it : items) {
+    std::byte* dst = static_cast<std::byte*>(dv->buffer) + it.offset;
+    const size_t n = it.count * dtype_size(it.dst_dtype);
+    if (it.src_dtype == it.dst_dtype) {
+      BITDELTA_CUDA_CHECK(cudaMemcpyAsync(dst, it.src, n, cudaMemcpyHostToDevice, m.ctx->stream));
+    } else {
+      BITDELTA_CUDA_CHECK(cudaStreamSynchronize(m.ctx->stream));
+      tmp.resize(n);
+      fill(it, tmp.data());
+      BITDELTA_CUDA_CHECK(cudaMemcpyAsync(dst, tmp.data(), n, cudaMemcpyHostToDevice, m.ctx->stream));
+    }
+  }
+  BITDELTA_CUDA_CHECK(cudaStreamSynchronize(m.ctx->stream));
+  bind_slots(*dv, items, config.tie_embeddings);
+  m.variants.push_back(dv);
+  m.base_cpu = &base;
+  m.base_dev = dv.get();
+}
+
+DeviceModel::~DeviceModel() = default;
+
+std::string DeviceModel::device_name() const { return impl_->name; }
+
+std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights, const DeltaFile& delta,
+                                                   UploadStats* stats) const {
+  auto& m = *impl_;
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  BITDELTA_CUDA_CHECK(cudaSetDevice(m.ctx->device));
+  auto dv = std::make_shared<DeviceVariant>();
+  dv->ctx = m.ctx;
+  std::vector<float> norms, bias;
+  std::vector<Item> items;
+  dv->bytes = plan(m.c, weights, m.base_cpu, m.base_dev, *dv, norms, bias, items);
+  // Host tier: the pinned copy of this file's device bytes, or a new one read from the file.
+  const std::string key = file_key(delta.path());
+  std::shared_ptr<PinnedPack> pack = key.empty() ? nullptr : m.host_tier.get(key);
+  const bool hit = pack && pack->bytes == dv->bytes;
+  if (!hit) {
+    pack = std::make_shared<PinnedPack>(dv->bytes, m.ctx);
+    for (const auto& it : items) fill(it, static_cast<std::byte*>(pack->host) + it.offset);
+  }
+  const auto t1 = Clock::now();
+  // Device tier: its own stream, so the steps of other variants go on meanwhile.
+  cudaStream_t s = nullptr;
+  BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  try {
+    dv->buffer = device_alloc(dv->bytes, s, "a variant's delta");
+    BITDELTA_CUDA_CHECK(cudaMemcpyAsync(dv->buffer, pack->host, dv->bytes, cudaMemcpyHostToDevice, s));
+    BITDELTA_CUDA_CHECK(cudaStreamSynchronize(s));
+  } catch (...) {
+    if (dv->buffer) cudaFreeAsync(dv->buffer, s), dv->buffer = nullptr;
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+    throw;
+  }
+  cudaStreamDestroy(s);
+  m.ctx->variant_bytes += dv->bytes;
+  bind_slots(*dv, items, m.c.tie_embeddings);
+  if (!hit && !key.empty()) m.host_tier.put(key, pack);
+  if (stats) {
+    stats->bytes = dv->bytes;
+    stats->host_hit = hit;
+    stats->read_s = std::chrono::duration<double>(t1 - t0).count();
+    stats->copy_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  }
+  return dv;
+}
+
+void DeviceModel::install(int id, std::shared_ptr<DeviceVariant> variant) {
+  auto& vs = impl_->variants;
+  if (id < 1) fail("cuda::DeviceModel::install: bad variant id ", id);
+  if (size_t(id) >= vs.size()) vs.resize(size_t(id) + 1);
+  vs[size_t(id)] = std::move(variant);
+}
+
+void DeviceModel::remove(int id) {
+  auto& vs = impl_->variants;
+  if (id > 0 && size_t(id) < vs.size()) vs[size_t(id)].reset();
+}
+
+DeviceMemory DeviceModel::memory() const {
+  const auto& ctx = *impl_->ctx;
+  DeviceMemory m;
+  m.base_bytes = impl_->variants[0]->bytes;
+  m.variant_bytes = ctx.variant_bytes - m.base_bytes;
+  m.kv_bytes = ctx.kv_bytes;
+  m.scratch_bytes = ctx.scratch_bytes;
+  m.pinned_bytes = ctx.pinned_bytes;
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
+    m.device_used = total_b - free_b;
+    m.device_total = total_b;
+  }
+  return m;
+}
+
+std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
+  auto& m = *impl_;
+  const auto& c = m.c;
+  const size_t R = in.size();
+  if (R == 0) return {};
+  BITDELTA_CUDA_CHECK(cudaSetDevice(m.ctx->device));
+  const int H = int(c.hidden), I = int(c.intermediate), L = int(c.layers), hd = int(c.head_dim);
+  const int heads = int(c.heads), kvh = int(c.kv_heads), qd = heads * hd, kvd = kvh * hd, V = int(c.vocab_size);
+
+  // Rows sorted by variant, the variants with many rows first (they take GEMMs), stable so that a
+  // sequence's rows keep their order.
+  std::vector<size_t> count(m.variants.size(), 0);
+  for (const auto& r : in) {
+    if (r.variant < 0 || size_t(r.variant) >= m.variants.size() || !m.variants[size_t(r.variant)])
+      fail("cuda: no variant with id ", r.variant, " on the device");
+    ++count[size_t(r.variant)];
+  }
+  std::vector<size_t> order(R);
+  std::iota(order.begin(), order.end(), 0);
+  auto key = [&](size_t r) {
+    const size_t v = size_t(in[r].variant);
+    return std::pair<int, size_t>(count[v] >= kGemmRows ? 0 : 1, v);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
+
+  // KV caches: created or grown (doubling; the valid prefix copied) to hold every row's position.
+  std::map<std::shared_ptr<DeviceKV>*, size_t> need;
+  for (const auto& r : in) need[r.kv] = std::max(need[r.kv], r.position + 1);
+  const size_t per_pos = size_t(L) * 2 * kvd * sizeof(bf16);
+  for (auto& [slot, n] : need) {
+    auto& kv = *slot;
+    if (kv && kv->capacity >= n) continue;
+    const size_t cap = std::max<size_t>({n, kv ? 2 * kv->capacity : 0, 16});
+    auto fresh = std::make_shared<DeviceKV>();
+    fresh->ctx = m.ctx;
+    fresh->data = static_cast<bf16*>(device_alloc(cap * per_pos, m.ctx->stream, "a sequence's KV cache"));
+    fresh->capacity = cap;
+    fresh->bytes = cap * per_pos;
+    m.ctx->kv_bytes += fresh->bytes;
+    if (kv)
+      BITDELTA_CUDA_CHECK(cudaMemcpyAsync(fresh->data, kv->data, kv->capacity * per_pos, cudaMemcpyDeviceToDevice,
+                                          m.ctx->stream));
+    kv = fresh;
+  }
+
+  m.ensure_scratch(R);
+  // Row descriptors (sorted order) and the rows that want logits.
+  auto* desc = static_cast<RowDesc*>(m.host_in);
+  auto* map = reinterpret_cast<int*>(desc + R);
+  std::vector<const DeviceVariant*> var(R);
+  std::vector<size_t> want_sorted;  // sorted positions of rows that want logits
+  for (size_t i = 0; i < R; ++i) {
+    const DeviceRow& r = in[order[i]];
+    var[i] = m.variants[size_t(r.variant)].get();
+    desc[i] = {r.token, int32_t(r.position), (*r.kv)->data, var[i]->embed, var[i]->norms, var[i]->bias};
+    if (r.want_logits) want_sorted.push_back(i);
+  }
+  const size_t W = want_sorted.size();
+  for (size_t j = 0; j < W; ++j) map[j] = int(want_sorted[j]);
+  BITDELTA_CUDA_CHECK(
+      cudaMemcpyAsync(m.rows_dev, desc, R * sizeof(RowDesc), cudaMemcpyHostToDevice, m.ctx->stream));
+  if (W > 0) BITDELTA_CUDA_CHECK(cudaMemcpyAsync(m.map_dev, map, W * 4, cudaMemcpyHostToDevice, m.ctx->stream));
+
+  std::vector<const LinearOnDevice*> lin(R);
+  auto linear = [&](int layer, int kind, const bf16* xin, int K, float* y, int N) {
+    for (size_t i = 0; i < R; ++i) lin[i] = &var[i]->layers[size_t(layer)][size_t(kind)];
+    m.linear(lin, xin, K, y, N);
+  };
+  const float eps = float(c.rms_eps), scale = 1.0f / std::sqrt(float(hd));
+  const int bias_stride = qd + 2 * kvd + H;
+  cudaStream_t s = m.ctx->stream;
+  embed_rows(m.rows_dev, int(R), H, m.x, s);
+  for (int l = 0; l < L; ++l) {
+    add_rmsnorm(m.x, l ? m.down : nullptr, m.rows_dev, nullptr, int(R), H, 2 * l * H, -1, eps, m.h, s);
+    linear(l, kQ, m.h, H, m.q, qd);
+    linear(l, kK, m.h, H, m.k, kvd);
+    linear(l, kV, m.h, H, m.v, kvd);
+    bias_rope_store(m.q, m.k, m.v, m.rows_dev, int(R), l, L, heads, kvh, hd, H, m.inv_freq, s);
+    attention(m.q, m.rows_dev, int(R), l, L, heads, kvh, hd, scale, m.attn, s);
+    linear(l, kO, m.attn, qd, m.o, H);
+    add_rmsnorm(m.x, m.o, m.rows_dev, nullptr, int(R), H, (2 * l + 1) * H,
+                c.o_bias ? l * bias_stride + qd + 2 * kvd : -1, eps, m.h, s);
+    linear(l, kGate, m.h, H, m.gate, I);
+    linear(l, kUp, m.h, H, m.up, I);
+    swiglu(m.gate, m.up, R * size_t(I), m.act, s);
+    linear(l, kDown, m.act, I, m.down, H);
+  }
+  std::vector<float> out;
+  if (W > 0) {
+    add_rmsnorm(m.x, m.down, m.rows_dev, m.map_dev, int(W), H, 2 * L * H, -1, eps, m.h, s);
+    std::vector<LinearOnDevice> heads_lin(W);
+    std::vector<const LinearOnDevice*> hl(W);
+    for (size_t j = 0; j < W; ++j) {
+      heads_lin[j].w = var[want_sorted[j]]->lm_head;
+      hl[j] = &heads_lin[j];
+    }
+    m.linear(hl, m.h, H, m.logits, V);
+    if (W * size_t(V) > m.host_logits_elems) {
+      BITDELTA_CUDA_CHECK(cudaStreamSynchronize(s));
+      if (m.host_logits) cudaFreeHost(m.host_logits);
+      m.host_logits = nullptr;
+      BITDELTA_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&m.host_logits), W * size_t(V) * 4, 0));
+      m.host_logits_elems = W * size_t(V);
+    }
+    BITDELTA_CUDA_CHECK(
+        cudaMemcpyAsync(m.host_logits, m.logits, W * size_t(V) * 4, cudaMemcpyDeviceToHost, s));
+    BITDELTA_CUDA_CHECK(cudaStreamSynchronize(s));
+    // Back to the callers' row order.
+    std::vector<size_t> rank(R, 0);
+    for (size_t j = 0; j < W; ++j) rank[order[want_sorted[j]]] = j + 1;
+    out.resize(W * size_t(V));
+    size_t next = 0;
+    for (size_t r = 0; r < R; ++r)
+      if (rank[r]) std::memcpy(&out[next++ * size_t(V)], &m.host_logits[(rank[r] - 1) * size_t(V)], size_t(V) * 4);
+  } else {
+    BITDELTA_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+  return out;
+}
+
+}  // namespace bitdelta::cuda

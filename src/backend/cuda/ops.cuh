@@ -1,0 +1,50 @@
+// The other ops of the forward pass on the device, each the counterpart of one in
+// backend/cpu/ops.h (tests/gpu compares them): embedding gather with per-variant tables, RMSNorm
+// (with the residual add folded in), bias + RoPE + KV-cache store, attention over the KV cache,
+// SwiGLU. Rows of one step belong to different sequences and variants: each kernel reads its row's
+// RowDesc. Float32 arithmetic; bf16 where a linear layer reads the result and in the KV cache.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace bitdelta::cuda {
+
+// One row of a step, as the kernels see it (device memory).
+struct RowDesc {
+  int32_t token;
+  int32_t position;
+  __nv_bfloat16* kv;           // the sequence's cache: [capacity][layers][2][kv_dim] bf16
+  const __nv_bfloat16* embed;  // the row's variant's embedding table [vocab, hidden]
+  const float* norms;          // its norms: [layers][2][hidden] then the final norm [hidden]
+  const float* bias;           // its biases [layers][q_dim + 2·kv_dim + hidden] (q, k, v, o), or null
+};
+
+// x[r] = float(embed_r[token_r]), [rows, hidden].
+void embed_rows(const RowDesc* rows, int n_rows, int hidden, float* x, cudaStream_t stream);
+
+// For out row i, source row s = row_map ? row_map[i] : i: if add, x[s] += add[s] (and the row's
+// bias at bias_offset, if ≥ 0 and the row has biases); then
+// out[i] = bf16(rmsnorm(x[s]) ⊙ rows[s].norms[norm_offset ..]). float32 sum of squares (in a
+// different order than the CPU's sequential one).
+void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row_map, int n_out, int hidden,
+                 int norm_offset, int bias_offset, float eps, __nv_bfloat16* out, cudaStream_t stream);
+
+// Adds layer `layer`'s q/k/v biases (if the row has any), rotates q and k at the row's position
+// ("rotate half" pairs, angle = float(position)·inv_freq[i], cos/sin in double as the CPU does), and
+// stores k and v (bf16) into the row's cache at its position. q stays float32 in place.
+void bias_rope_store(float* q, const float* k, const float* v, const RowDesc* rows, int n_rows, int layer,
+                     int layers, int heads, int kv_heads, int head_dim, int hidden, const float* inv_freq,
+                     cudaStream_t stream);
+
+// out[r][head] = softmax(q·kᵀ·scale)·v over positions [0, position_r] of the row's cache at
+// `layer`, grouped-query (head → kv head head / (heads / kv_heads)). Online softmax in float32.
+void attention(const float* q, const RowDesc* rows, int n_rows, int layer, int layers, int heads, int kv_heads,
+               int head_dim, float scale, __nv_bfloat16* out, cudaStream_t stream);
+
+// out = bf16(silu(gate) ⊙ up), n elements.
+void swiglu(const float* gate, const float* up, size_t n, __nv_bfloat16* out, cudaStream_t stream);
+
+}  // namespace bitdelta::cuda

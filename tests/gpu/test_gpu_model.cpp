@@ -1,0 +1,294 @@
+// The whole forward pass on the device (Model with Device::Cuda) against the demo family's fixtures
+// and against the CPU backend; the engine on the device with deltas moving between the GPU tier,
+// the pinned host tier and disk.
+//
+// Bound: the device rounds the input of every linear layer to bf16 (2⁻⁹ relative, ~0.1% rms) and
+// keeps the KV cache in bf16; the rest is float32. A logit is a dot product of the final hidden state
+// (29 rounded linear inputs upstream of it on the demo model) with a row of the embedding, so its
+// error grows with its size: measured up to 0.055 on log-probs of magnitude 12.7 (0.4%). The bound
+// is tolerance(ref) = 0.05 + 0.01·|ref| (the CPU's own bound against PyTorch is 2e-4); a wrong or
+// missing delta moves these values by whole units. Greedy continuations are compared until a step
+// whose top-2 margin is under 0.2, where either token is right.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <future>
+#include <nlohmann/json.hpp>
+
+#include "backend/cuda/device_model.h"
+#include "bitdelta/compress.h"
+#include "bitdelta/engine.h"
+#include "bitdelta/error.h"
+#include "bitdelta/generate.h"
+#include "bitdelta/model.h"
+#include "bitdelta/tokenizer.h"
+#include "test_util.h"
+
+namespace bitdelta {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// BITDELTA_SOURCE_DIR in the environment overrides the build's (binaries run from another checkout).
+const fs::path kRoot = std::getenv("BITDELTA_SOURCE_DIR") ? std::getenv("BITDELTA_SOURCE_DIR") : BITDELTA_SOURCE_DIR;
+const fs::path kDemo = kRoot / "models" / "demo";
+const fs::path kFixtures = kRoot / "tests" / "fixtures" / "reference";
+double tolerance(double ref) { return 0.05 + 0.01 * std::abs(ref); }
+constexpr double kGpuTieMargin = 0.2;
+
+json load(const fs::path& p) {
+  std::ifstream in(p);
+  return json::parse(in);
+}
+
+ModelOptions on_cuda() {
+  ModelOptions o;
+  o.device = Device::Cuda;
+  o.threads = 4;
+  return o;
+}
+
+class GpuModel : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!cuda::unavailable_reason().empty() || !fs::exists(kDemo / "base" / "config.json")) return;
+    deltas_ = new test::TempDir();
+    for (const char* v : {"coder", "math", "writer", "legal"})
+      for (AlphaMode mode : {AlphaMode::Row, AlphaMode::Tensor}) {
+        CompressOptions o;
+        o.alpha_mode = mode;
+        compress(Checkpoint(kDemo / "base"), Checkpoint(kDemo / v), delta(v, mode), o);
+      }
+  }
+  static void TearDownTestSuite() {
+    delete deltas_;
+    deltas_ = nullptr;
+  }
+  void SetUp() override {
+    if (const auto why = cuda::unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+    if (!deltas_) GTEST_SKIP() << "models/demo is missing";
+  }
+  static fs::path delta(const std::string& v, AlphaMode mode) {
+    return (*deltas_) / (v + "_" + std::string(alpha_mode_name(mode)) + ".bitdelta");
+  }
+  static test::TempDir* deltas_;
+};
+test::TempDir* GpuModel::deltas_ = nullptr;
+
+TEST_F(GpuModel, FixturesOfEveryModelOfTheDemoFamily) {
+  const json prompts = load(kFixtures / "prompts.json")["prompts"];
+  const Tokenizer tokenizer(kDemo / "base");
+  double worst = 0;
+  size_t compared_greedy = 0, greedy_total = 0;
+  for (const std::string name : {"base", "coder", "math", "writer", "legal", "coder_bitdelta_row",
+                                 "coder_bitdelta_tensor", "math_bitdelta_row", "math_bitdelta_tensor",
+                                 "writer_bitdelta_row", "writer_bitdelta_tensor", "legal_bitdelta_row",
+                                 "legal_bitdelta_tensor"}) {
+    const json fx = load(kFixtures / ("model_" + name + ".json"));
+    const std::string kind = fx["kind"];
+    std::unique_ptr<Model> model;
+    int id = 0;
+    if (kind == "full") {
+      model = std::make_unique<Model>(kDemo / fx["variant"].get<std::string>(), on_cuda());
+    } else {
+      model = std::make_unique<Model>(kDemo / "base", on_cuda());
+      if (kind == "bitdelta")
+        id = model->add_variant("v", delta(fx["variant"].get<std::string>(),
+                                           fx["alpha_mode"] == "row" ? AlphaMode::Row : AlphaMode::Tensor));
+    }
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      const auto& res = fx["results"][p];
+      const auto ids = prompts[p]["ids"].get<std::vector<int32_t>>();
+      const std::string where = name + " / " + prompts[p]["name"].get<std::string>();
+      const auto scored = score(*model, id, ids);
+      const auto want_lp = res["prompt_logprobs"].get<std::vector<double>>();
+      ASSERT_EQ(scored.prompt_logprobs.size(), want_lp.size()) << where;
+      for (size_t i = 0; i < want_lp.size(); ++i) {
+        worst = std::max(worst, std::abs(scored.prompt_logprobs[i] - want_lp[i]));
+        ASSERT_NEAR(scored.prompt_logprobs[i], want_lp[i], tolerance(want_lp[i])) << where << " logprob " << i;
+      }
+      const auto top_ids = res["top20"]["ids"].get<std::vector<int32_t>>();
+      const auto top_logits = res["top20"]["logits"].get<std::vector<double>>();
+      for (size_t i = 0; i < top_ids.size(); ++i) {
+        worst = std::max(worst, std::abs(scored.last_logits[size_t(top_ids[i])] - top_logits[i]));
+        ASSERT_NEAR(scored.last_logits[size_t(top_ids[i])], top_logits[i], tolerance(top_logits[i]))
+            << where << " top " << i;
+      }
+      SamplingParams greedy;
+      greedy.temperature = 0;
+      StopConditions stop;
+      stop.max_tokens = 16;
+      const auto gen = generate(*model, tokenizer, id, ids, greedy, stop);
+      const auto want = res["greedy"]["ids"].get<std::vector<int32_t>>();
+      const auto margins = res["greedy"]["margins"].get<std::vector<double>>();
+      greedy_total += want.size();
+      for (size_t k = 0; k < want.size(); ++k) {
+        ASSERT_LT(k, gen.tokens.size()) << where;
+        ASSERT_EQ(gen.tokens[k], want[k]) << where << " greedy step " << k;
+        ++compared_greedy;
+        if (margins[k] < kGpuTieMargin) break;
+      }
+    }
+  }
+  std::printf("  13 models: worst |gpu - fixture| %.2e over log-probs and top-20 logits; %zu of %zu greedy steps "
+              "compared\n",
+              worst, compared_greedy, greedy_total);
+  EXPECT_GT(compared_greedy, greedy_total / 2);
+}
+
+// One device step with rows of four variants at different lengths — decode rows (≤ 16 per fused
+// launch, so 20 of them need two), a 40-row prefill of one variant (a GEMM on W_eff) and a base
+// prefill (cuBLAS) — gives each sequence the logits the CPU computes for it alone.
+TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
+  Model gpu(kDemo / "base", on_cuda());
+  Model cpu(kDemo / "base", 4);
+  std::vector<std::string> names = {"coder", "math", "writer", "legal"};
+  for (const auto& n : names) {
+    gpu.add_variant(n, delta(n, AlphaMode::Row));
+    cpu.add_variant(n, delta(n, AlphaMode::Row));
+  }
+  struct Plan {
+    int variant;
+    size_t prompt, step;  // prompt tokens fed before; tokens fed in the mixed step
+  };
+  std::vector<Plan> plans;
+  for (int i = 0; i < 20; ++i) plans.push_back({i % 5, size_t(3 + i), 1});  // decode rows
+  plans.push_back({2, 0, 40});                                               // prefill of a variant
+  plans.push_back({0, 5, 35});                                               // prefill of the base
+  auto token = [](size_t seq, size_t pos) { return int32_t(5 + (seq * 131 + pos * 17) % 4000); };
+  std::vector<Sequence> gs, cs;
+  for (size_t s = 0; s < plans.size(); ++s) {
+    gs.push_back(gpu.new_sequence(plans[s].variant));
+    cs.push_back(cpu.new_sequence(plans[s].variant));
+  }
+  // Prompts first (on the GPU one step each, alone), then the mixed step.
+  for (size_t s = 0; s < plans.size(); ++s) {
+    std::vector<ForwardRow> g, c;
+    for (size_t p = 0; p < plans[s].prompt; ++p) {
+      g.push_back({&gs[s], token(s, p), false});
+      c.push_back({&cs[s], token(s, p), false});
+    }
+    gpu.forward(g);
+    cpu.forward(c);
+  }
+  std::vector<ForwardRow> mixed;
+  for (size_t s = 0; s < plans.size(); ++s)
+    for (size_t p = 0; p < plans[s].step; ++p)
+      mixed.push_back({&gs[s], token(s, plans[s].prompt + p), p + 1 == plans[s].step});
+  const auto got = gpu.forward(mixed);
+  const size_t V = gpu.config().vocab_size;
+  ASSERT_EQ(got.size(), plans.size() * V);
+  double worst = 0;
+  for (size_t s = 0; s < plans.size(); ++s) {
+    std::vector<ForwardRow> alone;
+    for (size_t p = 0; p < plans[s].step; ++p)
+      alone.push_back({&cs[s], token(s, plans[s].prompt + p), p + 1 == plans[s].step});
+    const auto want = cpu.forward(alone);
+    ASSERT_EQ(want.size(), V);
+    for (size_t i = 0; i < V; ++i) {
+      worst = std::max(worst, double(std::abs(got[s * V + i] - want[i])));
+      ASSERT_NEAR(got[s * V + i], want[i], tolerance(want[i])) << "sequence " << s << " (variant " << plans[s].variant
+                                                          << ") logit " << i;
+    }
+  }
+  std::printf("  mixed step of %zu rows: worst |gpu - cpu| logit %.2e\n", mixed.size(), worst);
+}
+
+// The engine on the device with room for one delta on the GPU: alternating requests evict and
+// reload, the second load of a delta comes from the pinned host tier, and every answer equals the
+// same greedy generation run directly on a device model.
+TEST_F(GpuModel, EngineMovesDeltasBetweenTiersAndKeepsAnswers) {
+  EngineOptions eo;
+  eo.device = "cuda";
+  eo.threads = 4;
+  eo.delta_cache_bytes = fs::file_size(delta("coder", AlphaMode::Row)) + 1024;
+  Engine engine(kDemo / "base", eo);
+  Model direct(kDemo / "base", on_cuda());
+  const Tokenizer tokenizer(kDemo / "base");
+  std::map<std::string, int> ids;
+  for (const char* n : {"coder", "legal"}) {
+    engine.add_variant(n, delta(n, AlphaMode::Row));
+    ids[n] = direct.add_variant(n, delta(n, AlphaMode::Row));
+  }
+  const auto prompt = tokenizer.encode("def main():", true);
+  for (int round = 0; round < 3; ++round)
+    for (const char* n : {"coder", "legal"}) {
+      GenerationRequest req;
+      req.model = n;
+      req.prompt = prompt;
+      req.sampling.temperature = 0;
+      req.stop.max_tokens = 12;
+      req.stop_at_eos = false;
+      std::vector<int32_t> tokens;
+      std::promise<void> done;
+      GenerationCallbacks cb;
+      cb.on_token = [&](const TokenLogprob& t, const std::string&) {
+        if (t.token >= 0) tokens.push_back(t.token);
+      };
+      cb.on_done = [&](FinishReason, const Usage&) { done.set_value(); };
+      cb.on_error = [&](const std::string& m, int) {
+        ADD_FAILURE() << m;
+        done.set_value();
+      };
+      engine.submit(req, cb);
+      done.get_future().wait();
+      StopConditions stop;
+      stop.max_tokens = 12;
+      const auto want = generate(direct, tokenizer, ids[n], prompt, req.sampling, stop);
+      EXPECT_EQ(tokens, want.tokens) << n << " round " << round;
+    }
+  const auto m = engine.metrics();
+  EXPECT_GE(m.cache_evictions, 4u);
+  EXPECT_GE(m.cache_loads, 6u);
+  EXPECT_GE(m.cache_host_hits, 4u) << "reloads after the first should come from pinned host memory";
+  std::printf("  engine: %llu loads (%llu from the host tier), %llu evictions\n",
+              (unsigned long long)m.cache_loads, (unsigned long long)m.cache_host_hits,
+              (unsigned long long)m.cache_evictions);
+}
+
+TEST_F(GpuModel, WrongDeviceAndBadDeltaFailWithOneLine) {
+  ModelOptions o = on_cuda();
+  o.cuda_device = 99;
+  try {
+    Model m(kDemo / "base", o);
+    FAIL() << "device 99 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cuda:99"), std::string::npos) << e.what();
+  }
+  Model gpu(kDemo / "base", on_cuda());
+  test::TempDir tmp;
+  // A truncated delta is refused at open, before anything reaches the device.
+  const auto good = delta("coder", AlphaMode::Row);
+  std::ifstream in(good, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  std::ofstream(tmp / "cut.bitdelta", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  EXPECT_THROW(gpu.add_variant("cut", tmp / "cut.bitdelta"), Error);
+  // The model still works afterwards.
+  EXPECT_NO_THROW(gpu.add_variant("coder", good));
+  const auto s = score(gpu, gpu.find_variant("coder"), std::vector<int32_t>{1, 50, 60});
+  EXPECT_EQ(s.prompt_logprobs.size(), 2u);
+}
+
+// Every model subcommand takes --device cuda: score on the device agrees with the CPU within the
+// bound, and a bad device string is one line on stderr.
+TEST_F(GpuModel, CliScoreOnTheDeviceAgreesWithTheCpu) {
+  test::TempDir tmp;
+  const std::string args = (kDemo / "base").string() + " --delta " + delta("legal", AlphaMode::Row).string() +
+                           " --tokens 1,400,500,600,700,800,900,1000 --json";
+  const auto c = test::run_cli("score " + args, tmp.path());
+  const auto g = test::run_cli("score " + args + " --device cuda", tmp.path());
+  ASSERT_EQ(c.exit_code, 0) << c.err;
+  ASSERT_EQ(g.exit_code, 0) << g.err;
+  const auto cj = json::parse(c.out), gj = json::parse(g.out);
+  const auto cl = cj["prompt_logprobs"].get<std::vector<double>>(), gl = gj["prompt_logprobs"].get<std::vector<double>>();
+  ASSERT_EQ(cl.size(), gl.size());
+  for (size_t i = 0; i < cl.size(); ++i) EXPECT_NEAR(gl[i], cl[i], tolerance(cl[i])) << i;
+  const auto bad = test::run_cli("score " + args + " --device cuda:x", tmp.path());
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("cuda:x"), std::string::npos) << bad.err;
+}
+
+}  // namespace
+}  // namespace bitdelta

@@ -1,0 +1,215 @@
+// Backend consistency, op by op: each CUDA op of the forward pass (src/backend/cuda/ops.cuh)
+// against its CPU counterpart (src/backend/cpu/ops.h) on random inputs. Both compute in float32;
+// the GPU rounds to bf16 where a linear layer or the KV cache reads the result, so the CPU side is
+// fed the same bf16-rounded values and the outputs are compared within bounds stated per test.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "backend/cpu/ops.h"
+#include "backend/cuda/device_model.h"
+#include "backend/cuda/ops.cuh"
+#include "bitdelta/dtype.h"
+
+namespace bitdelta {
+namespace {
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+template <typename T>
+struct Buf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Buf(size_t count) : n(count) {
+    if (cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) p = nullptr;
+  }
+  ~Buf() { cudaFree(p); }
+  void put(const std::vector<T>& v) { cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice); }
+  std::vector<T> get() const {
+    std::vector<T> v(n);
+    cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return v;
+  }
+};
+
+std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+std::vector<__nv_bfloat16> to_bf16(const std::vector<float>& v) {
+  std::vector<__nv_bfloat16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
+  return out;
+}
+std::vector<float> to_f32(const std::vector<__nv_bfloat16>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __bfloat162float(v[i]);
+  return out;
+}
+float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+class GpuOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (const auto why = cuda::unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+// |gpu − cpu| ≤ bound·(1 + |cpu|) everywhere; returns the largest scaled error seen.
+double check_close(const std::vector<float>& gpu, const std::vector<float>& cpu, double bound, const char* what) {
+  EXPECT_EQ(gpu.size(), cpu.size()) << what;
+  double worst = 0;
+  for (size_t i = 0; i < std::min(gpu.size(), cpu.size()); ++i) {
+    const double e = std::abs(double(gpu[i]) - cpu[i]) / (1.0 + std::abs(cpu[i]));
+    worst = std::max(worst, e);
+    if (!(e <= bound)) {
+      ADD_FAILURE() << what << "[" << i << "]: gpu " << gpu[i] << " cpu " << cpu[i] << " (bound " << bound << ")";
+      return e;
+    }
+  }
+  std::printf("  %-28s worst scaled error %.2e (bound %.0e)\n", what, worst, bound);
+  return worst;
+}
+
+TEST_F(GpuOps, EmbeddingGatherAndRmsnormWithResidualAdd) {
+  const int rows = 5, hidden = 4096 + 64, vocab = 50, layers = 2;
+  // Two variants: their own embedding tables and norms.
+  const auto e0 = randn(size_t(vocab) * hidden, 1), e1 = randn(size_t(vocab) * hidden, 2);
+  const auto n0 = randn(size_t(2 * layers + 1) * hidden, 3), n1 = randn(size_t(2 * layers + 1) * hidden, 4);
+  Buf<__nv_bfloat16> de0(e0.size()), de1(e1.size());
+  de0.put(to_bf16(e0));
+  de1.put(to_bf16(e1));
+  Buf<float> dn0(n0.size()), dn1(n1.size());
+  dn0.put(n0);
+  dn1.put(n1);
+  const int tokens[rows] = {0, 7, 49, 7, 3};
+  std::vector<cuda::RowDesc> desc(rows);
+  for (int r = 0; r < rows; ++r)
+    desc[size_t(r)] = {tokens[r], r, nullptr, r % 2 ? de1.p : de0.p, r % 2 ? dn1.p : dn0.p, nullptr};
+  Buf<cuda::RowDesc> ddesc(rows);
+  ddesc.put(desc);
+  Buf<float> x(size_t(rows) * hidden), add(size_t(rows) * hidden);
+  const auto addv = randn(add.n, 5);
+  add.put(addv);
+  Buf<__nv_bfloat16> out(size_t(rows) * hidden);
+  cuda::embed_rows(ddesc.p, rows, hidden, x.p, nullptr);
+  const int norm_offset = 3 * hidden;  // layer 1's MLP norm
+  cuda::add_rmsnorm(x.p, add.p, ddesc.p, nullptr, rows, hidden, norm_offset, -1, 1e-5f, out.p, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+
+  std::vector<float> want_x(x.n), want_out(out.n);
+  for (int r = 0; r < rows; ++r) {
+    const auto& e = r % 2 ? e1 : e0;
+    const auto& n = r % 2 ? n1 : n0;
+    for (int i = 0; i < hidden; ++i)
+      want_x[size_t(r) * hidden + size_t(i)] =
+          round_bf16(e[size_t(tokens[r]) * hidden + size_t(i)]) + addv[size_t(r) * hidden + size_t(i)];
+    cpu::rmsnorm(&want_x[size_t(r) * hidden], &n[size_t(norm_offset)], size_t(hidden), 1e-5, &want_out[size_t(r) * hidden]);
+  }
+  // x: the same float additions. out: one bf16 rounding (2⁻⁹ relative) plus the sum of squares in
+  // another order (~1e-6).
+  check_close(x.get(), want_x, 1e-6, "embedding + residual");
+  check_close(to_f32(out.get()), want_out, 4.5e-3, "rmsnorm (bf16 out)");
+}
+
+TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
+  for (const auto& [heads, kv_heads, head_dim] : {std::tuple{32, 8, 128}, std::tuple{4, 2, 48}, std::tuple{8, 8, 64}}) {
+    SCOPED_TRACE(testing::Message() << heads << " heads, " << kv_heads << " kv heads, head_dim " << head_dim);
+    const int layers = 3, layer = 1, hidden = 64;
+    const int q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
+    const int lengths[] = {1, 2, 37, 300};  // one row per sequence, at position length − 1
+    const int rows = 4, cap = 300;
+    std::vector<float> inv_freq(size_t(head_dim / 2));
+    for (size_t i = 0; i < inv_freq.size(); ++i) inv_freq[i] = float(1.0 / std::pow(10000.0, 2.0 * double(i) / head_dim));
+    Buf<float> dinv(inv_freq.size());
+    dinv.put(inv_freq);
+    // Each sequence's cache, filled at earlier positions with random bf16 keys and values.
+    std::vector<std::vector<float>> cache(rows);
+    std::vector<std::unique_ptr<Buf<__nv_bfloat16>>> dcache;
+    const size_t per_pos = size_t(layers) * 2 * kv_dim;
+    for (int r = 0; r < rows; ++r) {
+      cache[size_t(r)] = randn(size_t(cap) * per_pos, 10 + uint64_t(r));
+      for (auto& v : cache[size_t(r)]) v = round_bf16(v);
+      dcache.push_back(std::make_unique<Buf<__nv_bfloat16>>(cache[size_t(r)].size()));
+      dcache.back()->put(to_bf16(cache[size_t(r)]));
+    }
+    const auto bias = randn(size_t(layers) * (q_dim + 2 * kv_dim + hidden), 20, 0.1f);
+    Buf<float> dbias(bias.size());
+    dbias.put(bias);
+    std::vector<cuda::RowDesc> desc(rows);
+    for (int r = 0; r < rows; ++r)
+      desc[size_t(r)] = {0, lengths[r] - 1, dcache[size_t(r)]->p, nullptr, nullptr, r == 2 ? nullptr : dbias.p};
+    Buf<cuda::RowDesc> ddesc(rows);
+    ddesc.put(desc);
+    const auto q = randn(size_t(rows) * q_dim, 30), k = randn(size_t(rows) * kv_dim, 31), v = randn(size_t(rows) * kv_dim, 32);
+    Buf<float> dq(q.size()), dk(k.size()), dv(v.size());
+    dq.put(q);
+    dk.put(k);
+    dv.put(v);
+    Buf<__nv_bfloat16> out(size_t(rows) * q_dim);
+    const float scale = 1.0f / std::sqrt(float(head_dim));
+    cuda::bias_rope_store(dq.p, dk.p, dv.p, ddesc.p, rows, layer, layers, heads, kv_heads, head_dim, hidden, dinv.p,
+                          nullptr);
+    cuda::attention(dq.p, ddesc.p, rows, layer, layers, heads, kv_heads, head_dim, scale, out.p, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+
+    // CPU: bias, rope, store (bf16-rounded, as the cache holds), attend over the float cache.
+    std::vector<float> want_q(q), want_out(out.n);
+    for (int r = 0; r < rows; ++r) {
+      const float* b = r == 2 ? nullptr : &bias[size_t(layer) * (q_dim + 2 * kv_dim + hidden)];
+      float* qr = &want_q[size_t(r) * q_dim];
+      std::vector<float> kr(&k[size_t(r) * kv_dim], &k[size_t(r + 1) * kv_dim]);
+      std::vector<float> vr(&v[size_t(r) * kv_dim], &v[size_t(r + 1) * kv_dim]);
+      if (b) {
+        for (int i = 0; i < q_dim; ++i) qr[i] += b[i];
+        for (int i = 0; i < kv_dim; ++i) kr[size_t(i)] += b[q_dim + i], vr[size_t(i)] += b[q_dim + kv_dim + i];
+      }
+      const size_t pos = size_t(lengths[r] - 1);
+      cpu::rope(qr, size_t(heads), size_t(head_dim), pos, inv_freq);
+      cpu::rope(kr.data(), size_t(kv_heads), size_t(head_dim), pos, inv_freq);
+      float* at = &cache[size_t(r)][(pos * layers + layer) * 2 * kv_dim];
+      for (int i = 0; i < kv_dim; ++i) at[i] = round_bf16(kr[size_t(i)]), at[kv_dim + i] = round_bf16(vr[size_t(i)]);
+      const float* keys = &cache[size_t(r)][size_t(layer) * 2 * kv_dim];
+      for (int h = 0; h < heads; ++h)
+        cpu::attend(qr + h * head_dim, keys, keys + kv_dim, pos + 1, per_pos,
+                    size_t(h / (heads / kv_heads) * head_dim), size_t(head_dim), scale,
+                    &want_out[size_t(r) * q_dim + size_t(h) * head_dim]);
+    }
+    // q: the same float ops, cos/sin of the same float angle in double (1e-6). The cache: exactly the
+    // rounded values. Attention: softmax in another order plus the bf16 output rounding (2⁻⁹).
+    check_close(dq.get(), want_q, 1e-5, "rope q");
+    for (int r = 0; r < rows; ++r) {
+      const size_t pos = size_t(lengths[r] - 1);
+      std::vector<__nv_bfloat16> got(2 * size_t(kv_dim));
+      cudaMemcpy(got.data(), dcache[size_t(r)]->p + (pos * layers + layer) * 2 * kv_dim, got.size() * 2,
+                 cudaMemcpyDeviceToHost);
+      const float* want = &cache[size_t(r)][(pos * layers + layer) * 2 * kv_dim];
+      check_close(to_f32(got), std::vector<float>(want, want + 2 * kv_dim), 4e-3, "k, v stored in the cache");
+    }
+    check_close(to_f32(out.get()), want_out, 5e-3, "attention (bf16 out)");
+  }
+}
+
+TEST_F(GpuOps, Swiglu) {
+  const size_t n = 3 * 11008 + 5;
+  const auto g = randn(n, 40, 3.0f), u = randn(n, 41);
+  Buf<float> dg(n), du(n);
+  dg.put(g);
+  du.put(u);
+  Buf<__nv_bfloat16> out(n);
+  cuda::swiglu(dg.p, du.p, n, out.p, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> want(g);
+  cpu::swiglu(want.data(), u.data(), n);
+  check_close(to_f32(out.get()), want, 4e-3, "swiglu (bf16 out)");
+}
+
+}  // namespace
+}  // namespace bitdelta
