@@ -228,14 +228,16 @@ int main(int argc, char** argv) {
       std::vector<int> variants;  // one sequence each
     };
     const int v0 = model.find_variant("v0");
-    std::vector<int> mixed, base_b;
+    std::vector<int> mixed, base_b, one_b;
     for (size_t i = 0; i < batch; ++i) {
       mixed.push_back(v0 + int(i % nv));
       base_b.push_back(0);
+      one_b.push_back(v0);
     }
     std::vector<DecodeCase> cases{{"batch 1, base", {0}},
                                   {"batch 1, one variant", {v0}},
                                   {"batch " + std::to_string(batch) + ", base", base_b},
+                                  {"batch " + std::to_string(batch) + ", one variant", one_b},
                                   {"batch " + std::to_string(batch) + ", " + std::to_string(nv) + " variants mixed", mixed}};
     json dec = json::array();
     for (const auto& cs : cases) {

@@ -9,7 +9,7 @@
 #
 # BITDELTA_STAGES (default "tests serve e2e"): any of
 #   tests    bitdelta_gpu_tests (ops, model vs fixtures and CPU, engine tiers, CLI) + test_cuda_fused_linear
-#   serve    `bitdelta serve --device cuda` on the demo family, one request per variant, /metrics
+#   serve    `bitdelta serve --device cuda` on the demo family: one request per variant, `bench serve`, /metrics
 #   kernels  bench_cuda_fused_linear (the linear-layer table of issue 6)
 #   e2e      a synthetic Llama-2-7B-shaped model with 14 deltas (made here, in /tmp) and bench_gpu_e2e
 set -uo pipefail
@@ -68,6 +68,9 @@ if has serve; then
     echo "$m: $r" | tee -a "$out/serve.log" | cut -c1-200
     echo "$r" | grep -q '"text"' || status=1
   done
+  # Throughput on the device: the demo family's five models mixed, 32 requests in flight.
+  "$bin/bitdelta" bench serve --url http://127.0.0.1:$port --variants base=1,coder=1,math=1,writer=1,legal=1 \
+    --num-requests 400 --concurrency 32 --input-len 64 --output-len 64 2>&1 | tee -a "$out/serve.log" | tail -25
   curl -s localhost:$port/metrics | grep -E "^bitdelta_(requests_total|delta_cache_(loads|host_hits)_total)" | tee -a "$out/serve.log"
   kill $pid
   wait $pid 2>/dev/null

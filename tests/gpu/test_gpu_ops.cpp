@@ -155,9 +155,9 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     dv.put(v);
     Buf<__nv_bfloat16> out(size_t(rows) * q_dim);
     const float scale = 1.0f / std::sqrt(float(head_dim));
-    cuda::bias_rope_store(dq.p, dk.p, dv.p, ddesc.p, rows, layer, layers, heads, kv_heads, head_dim, hidden, dinv.p,
-                          nullptr);
-    cuda::attention(dq.p, ddesc.p, rows, layer, layers, heads, kv_heads, head_dim, scale, out.p, nullptr);
+    cuda::bias_rope_store(dq.p, dk.p, dv.p, q_dim, kv_dim, ddesc.p, rows, layer, layers, heads, kv_heads, head_dim,
+                          hidden, dinv.p, nullptr);
+    cuda::attention(dq.p, q_dim, ddesc.p, rows, layer, layers, heads, kv_heads, head_dim, scale, out.p, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
 
     // CPU: bias, rope, store (bf16-rounded, as the cache holds), attend over the float cache.
@@ -197,17 +197,20 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
   }
 }
 
-TEST_F(GpuOps, Swiglu) {
-  const size_t n = 3 * 11008 + 5;
-  const auto g = randn(n, 40, 3.0f), u = randn(n, 41);
-  Buf<float> dg(n), du(n);
-  dg.put(g);
-  du.put(u);
-  Buf<__nv_bfloat16> out(n);
-  cuda::swiglu(dg.p, du.p, n, out.p, nullptr);
+TEST_F(GpuOps, SwigluOverTheOutputOfAFusedGateUpLinear) {
+  const int rows = 3, n = 11008 + 5;  // gate and up side by side in rows of 2n
+  const auto gu = randn(size_t(rows) * 2 * n, 40, 3.0f);
+  Buf<float> dgu(gu.size());
+  dgu.put(gu);
+  Buf<__nv_bfloat16> out(size_t(rows) * n);
+  cuda::swiglu(dgu.p, dgu.p + n, 2 * n, rows, n, out.p, nullptr);
   CUDA_OK(cudaDeviceSynchronize());
-  std::vector<float> want(g);
-  cpu::swiglu(want.data(), u.data(), n);
+  std::vector<float> want, u;
+  for (int r = 0; r < rows; ++r) {
+    want.insert(want.end(), gu.begin() + long(r) * 2 * n, gu.begin() + long(r) * 2 * n + n);
+    u.insert(u.end(), gu.begin() + long(r) * 2 * n + n, gu.begin() + long(r + 1) * 2 * n);
+  }
+  cpu::swiglu(want.data(), u.data(), want.size());
   check_close(to_f32(out.get()), want, 4e-3, "swiglu (bf16 out)");
 }
 

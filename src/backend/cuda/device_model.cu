@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <list>
 #include <map>
 #include <mutex>
@@ -36,7 +37,12 @@ namespace {
 
 constexpr size_t kAlign = 256;           // every tensor on the device starts 256-byte aligned
 constexpr size_t kDecodeRows = 16;          // rows per fused decode launch (the kernel's limit)
-constexpr size_t kGemmRows = 32;         // a variant with this many rows in a step goes through a GEMM
+// Rows of one weight (and delta) in a step from which a GEMM beats 16-row fused decode launches
+// (each of which reads the weight again): for the base alone cuBLAS wins from 17 rows; with a delta
+// the GEMM needs W_eff materialized (≈ 3× the weight's bytes), which wins from about 48 rows
+// (7B-shaped decode at batch 32: 2 fused launches 2.1× the base GEMM, W_eff + GEMM 2.1×, measured).
+constexpr size_t kGemmRowsBase = 17, kGemmRowsDelta = 48;
+size_t gemm_rows(bool with_delta) { return with_delta ? kGemmRowsDelta : kGemmRowsBase; }
 constexpr size_t kPrefillScratch = size_t(16) << 20;  // W_eff chunk elements (×2 buffers, bf16)
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -149,6 +155,8 @@ class DeviceVariant {
   const float* norms = nullptr;
   const float* bias = nullptr;
   std::vector<std::array<LinearOnDevice, kLinearCount>> layers;
+  // Per layer: q|k|v and gate|up as one matrix each (w == nullptr: its parts are not back to back).
+  std::vector<std::array<LinearOnDevice, 2>> fused;
   ~DeviceVariant() {
     if (buffer) {
       cudaFreeAsync(buffer, ctx->stream);
@@ -202,8 +210,13 @@ void fill(const Item& it, void* dst) {
 // every tensor that differs from the base's (all of them for the base itself), its signs and α,
 // then its norms and biases as float32 blocks (built into norms/bias). Shared tensors point at the
 // base's device copy. Returns the total device bytes.
+// Linears that read the same input, laid out back to back (weights, then signs, then α) so that
+// one launch can run each group as one matrix.
+constexpr int kGroups[4][3] = {{kQ, kK, kV}, {kO, -1, -1}, {kGate, kUp, -1}, {kDown, -1, -1}};
+
 size_t plan(const ModelConfig& c, const VariantWeights& v, const VariantWeights* base, const DeviceVariant* base_dev,
-            DeviceVariant& dv, std::vector<float>& norms, std::vector<float>& bias, std::vector<Item>& items) {
+            DeviceVariant& dv, std::vector<float>& norms, std::vector<float>& bias, std::deque<std::vector<float>>& alphas,
+            std::vector<Item>& items) {
   const size_t H = c.hidden, L = c.layers, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim;
   auto add = [&](const void* src, DType src_dtype, size_t count, DType dst_dtype, const void** slot) {
     items.push_back({src, src_dtype, count, dst_dtype, slot});
@@ -223,17 +236,33 @@ size_t plan(const ModelConfig& c, const VariantWeights& v, const VariantWeights*
   }
   dv.layers.resize(L);
   for (size_t l = 0; l < L; ++l)
-    for (int k = 0; k < kLinearCount; ++k) {
-      auto& lin = dv.layers[l][size_t(k)];
-      const TensorView& t = v.layers[l].linear[size_t(k)];
-      matrix(t, base ? &base->layers[l].linear[size_t(k)] : nullptr,
-             base_dev ? base_dev->layers[l][size_t(k)].w : nullptr, &lin.w);
-      const DeltaRef& d = v.layers[l].delta[size_t(k)];
-      if (!d.signs) continue;
-      const size_t N = t.shape[0], K = t.shape[1];
-      lin.delta.alpha_per_row = d.alpha_per_row;
-      add(d.signs, DType::U8, N * ((K + 7) / 8), DType::U8, reinterpret_cast<const void**>(&lin.delta.signs));
-      add(d.alpha, DType::F32, d.alpha_per_row ? N : 1, DType::F32, reinterpret_cast<const void**>(&lin.delta.alpha));
+    for (const auto& group : kGroups) {
+      for (int k : group) {
+        if (k < 0) continue;
+        matrix(v.layers[l].linear[size_t(k)], base ? &base->layers[l].linear[size_t(k)] : nullptr,
+               base_dev ? base_dev->layers[l][size_t(k)].w : nullptr, &dv.layers[l][size_t(k)].w);
+      }
+      for (int k : group) {
+        const DeltaRef& d = k < 0 ? DeltaRef{} : v.layers[l].delta[size_t(k)];
+        if (!d.signs) continue;
+        const Shape& s = v.layers[l].linear[size_t(k)].shape;
+        add(d.signs, DType::U8, s[0] * ((s[1] + 7) / 8), DType::U8,
+            reinterpret_cast<const void**>(&dv.layers[l][size_t(k)].delta.signs));
+      }
+      for (int k : group) {
+        const DeltaRef& d = k < 0 ? DeltaRef{} : v.layers[l].delta[size_t(k)];
+        if (!d.signs) continue;
+        const size_t N = v.layers[l].linear[size_t(k)].shape[0];
+        auto& lin = dv.layers[l][size_t(k)];
+        lin.delta.alpha_per_row = true;  // one α per tensor is spread over its rows on the device
+        const void* src = d.alpha;
+        if (!d.alpha_per_row) {
+          float a;
+          std::memcpy(&a, d.alpha, 4);
+          src = alphas.emplace_back(N, a).data();
+        }
+        add(src, DType::F32, N, DType::F32, reinterpret_cast<const void**>(&lin.delta.alpha));
+      }
     }
   norms.assign((2 * L + 1) * H, 0.0f);
   for (size_t l = 0; l < L; ++l) {
@@ -261,10 +290,31 @@ size_t plan(const ModelConfig& c, const VariantWeights& v, const VariantWeights*
   return total;
 }
 
-// Points the variant's slots into its device buffer.
-void bind_slots(DeviceVariant& dv, const std::vector<Item>& items, bool tied) {
+// Points the variant's slots into its device buffer, then finds the groups that can run fused: the
+// parts' weights back to back and, with a delta, their signs and α too.
+void bind_slots(DeviceVariant& dv, const std::vector<Item>& items, const ModelConfig& c) {
   for (const auto& it : items) *it.slot = static_cast<const std::byte*>(dv.buffer) + it.offset;
-  if (tied) dv.lm_head = dv.embed;
+  if (c.tie_embeddings) dv.lm_head = dv.embed;
+  const size_t K = c.hidden, rows[kLinearCount] = {c.heads * c.head_dim, c.kv_heads * c.head_dim,
+                                                   c.kv_heads * c.head_dim, c.hidden, c.intermediate,
+                                                   c.intermediate, c.hidden};
+  dv.fused.assign(dv.layers.size(), {});
+  for (size_t l = 0; l < dv.layers.size(); ++l) {
+    const auto& L = dv.layers[l];
+    const int groups[2][3] = {{kQ, kK, kV}, {kGate, kUp, -1}};
+    for (int g = 0; g < 2; ++g) {
+      bool ok = true;
+      const bool with_delta = L[size_t(groups[g][0])].delta.signs != nullptr;
+      for (int i = 1; i < 3 && groups[g][i] >= 0; ++i) {
+        const auto &a = L[size_t(groups[g][i - 1])], &b = L[size_t(groups[g][i])];
+        const size_t n = rows[groups[g][i - 1]];
+        ok = ok && b.w == a.w + n * K && (b.delta.signs != nullptr) == with_delta;
+        if (with_delta)
+          ok = ok && b.delta.signs == a.delta.signs + n * ((K + 7) / 8) && b.delta.alpha == a.delta.alpha + n;
+      }
+      if (ok) dv.fused[l][size_t(g)] = L[size_t(groups[g][0])];
+    }
+  }
 }
 
 }  // namespace
@@ -311,8 +361,8 @@ struct DeviceModel::Impl {
     if (rows <= cap_rows) return;
     const size_t R = std::max(rows, cap_rows * 2), H = c.hidden, I = c.intermediate;
     const size_t qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim, V = c.vocab_size;
-    const size_t sizes[] = {R * H * 4,  R * qd * 4, R * kvd * 4, R * kvd * 4, R * H * 4,
-                            R * I * 4,  R * I * 4,  R * H * 4,   R * V * 4,   R * std::max({H, qd}) * 2,
+    const size_t sizes[] = {R * H * 4,  R * (qd + 2 * kvd) * 4, R * kvd * 4, R * kvd * 4, R * H * 4,
+                            R * 2 * I * 4,  R * I * 4,  R * H * 4,   R * V * 4,   R * std::max({H, qd}) * 2,
                             R * qd * 2, R * I * 2,  R * sizeof(RowDesc), R * 4};
     size_t total = 0;
     for (size_t s : sizes) total += align_up(s);
@@ -353,7 +403,7 @@ struct DeviceModel::Impl {
   }
 
   // y[rows, N] = x[rows, K] · W_effᵀ for rows that each name their weight and delta. Consecutive
-  // rows with the same weight form a segment; inside it a variant with ≥ kGemmRows rows goes
+  // rows with the same weight form a segment; inside it a variant with ≥ gemm_rows() rows goes
   // through cuBLAS (W_eff materialized per chunk for a delta), the others through the fused decode
   // kernel, up to 16 rows (of any variants) per launch, which reads the base once per launch.
   void linear(const std::vector<const LinearOnDevice*>& lin, const bf16* xin, int K, float* y, int N) {
@@ -367,7 +417,7 @@ struct DeviceModel::Impl {
         return e;
       };
       const size_t e = run_end(a);
-      if (e - a >= kGemmRows) {
+      if (e - a >= gemm_rows(lin[a]->delta.signs)) {
         const auto method = lin[a]->delta.signs ? PrefillMethod::kMaterialize : PrefillMethod::kBaseOnly;
         prefill->run(method, lin[a]->w, N, K, xin + a * size_t(K), int(e - a), lin[a]->delta, y + a * size_t(N));
         a = e;
@@ -377,7 +427,7 @@ struct DeviceModel::Impl {
       size_t b = a;
       while (b < R && b - a < kDecodeRows && same_weight(b)) {
         const size_t re = run_end(b);
-        if (re - b >= kGemmRows) break;
+        if (re - b >= gemm_rows(lin[b]->delta.signs)) break;
         b = std::min(re, a + kDecodeRows);
       }
       deltas.clear();
@@ -418,8 +468,9 @@ DeviceModel::DeviceModel(const ModelConfig& config, const VariantWeights& base, 
   auto dv = std::make_shared<DeviceVariant>();
   dv->ctx = m.ctx;
   std::vector<float> norms, bias;
+  std::deque<std::vector<float>> alphas;
   std::vector<Item> items;
-  dv->bytes = plan(config, base, nullptr, nullptr, *dv, norms, bias, items);
+  dv->bytes = plan(config, base, nullptr, nullptr, *dv, norms, bias, alphas, items);
   dv->buffer = device_alloc(dv->bytes, m.ctx->stream, "the base weights");
   m.ctx->variant_bytes += dv->bytes;
   std::vector<std::byte> tmp;
@@ -436,7 +487,7 @@ DeviceModel::DeviceModel(const ModelConfig& config, const VariantWeights& base, 
     }
   }
   BITDELTA_CUDA_CHECK(cudaStreamSynchronize(m.ctx->stream));
-  bind_slots(*dv, items, config.tie_embeddings);
+  bind_slots(*dv, items, config);
   m.variants.push_back(dv);
   m.base_cpu = &base;
   m.base_dev = dv.get();
@@ -455,8 +506,9 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
   auto dv = std::make_shared<DeviceVariant>();
   dv->ctx = m.ctx;
   std::vector<float> norms, bias;
+  std::deque<std::vector<float>> alphas;
   std::vector<Item> items;
-  dv->bytes = plan(m.c, weights, m.base_cpu, m.base_dev, *dv, norms, bias, items);
+  dv->bytes = plan(m.c, weights, m.base_cpu, m.base_dev, *dv, norms, bias, alphas, items);
   // Host tier: the pinned copy of this file's device bytes, or a new one read from the file.
   const std::string key = file_key(delta.path());
   std::shared_ptr<PinnedPack> pack = key.empty() ? nullptr : m.host_tier.get(key);
@@ -481,7 +533,7 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
   }
   cudaStreamDestroy(s);
   m.ctx->variant_bytes += dv->bytes;
-  bind_slots(*dv, items, m.c.tie_embeddings);
+  bind_slots(*dv, items, m.c);
   if (!hit && !key.empty()) m.host_tier.put(key, pack);
   if (stats) {
     stats->bytes = dv->bytes;
@@ -541,7 +593,7 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   std::iota(order.begin(), order.end(), 0);
   auto key = [&](size_t r) {
     const size_t v = size_t(in[r].variant);
-    return std::pair<int, size_t>(count[v] >= kGemmRows ? 0 : 1, v);
+    return std::pair<int, size_t>(count[v] >= gemm_rows(v != 0) ? 0 : 1, v);
   };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
 
@@ -588,23 +640,42 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
     for (size_t i = 0; i < R; ++i) lin[i] = &var[i]->layers[size_t(layer)][size_t(kind)];
     m.linear(lin, xin, K, y, N);
   };
+  // q|k|v (group 0) or gate|up (group 1) as one launch when every row's variant has it fused.
+  auto fused_linear = [&](int layer, int group, const bf16* xin, int K, float* y, int N) {
+    for (size_t i = 0; i < R; ++i) {
+      lin[i] = &var[i]->fused[size_t(layer)][size_t(group)];
+      if (!lin[i]->w) return false;
+    }
+    m.linear(lin, xin, K, y, N);
+    return true;
+  };
   const float eps = float(c.rms_eps), scale = 1.0f / std::sqrt(float(hd));
   const int bias_stride = qd + 2 * kvd + H;
   cudaStream_t s = m.ctx->stream;
   embed_rows(m.rows_dev, int(R), H, m.x, s);
   for (int l = 0; l < L; ++l) {
     add_rmsnorm(m.x, l ? m.down : nullptr, m.rows_dev, nullptr, int(R), H, 2 * l * H, -1, eps, m.h, s);
-    linear(l, kQ, m.h, H, m.q, qd);
-    linear(l, kK, m.h, H, m.k, kvd);
-    linear(l, kV, m.h, H, m.v, kvd);
-    bias_rope_store(m.q, m.k, m.v, m.rows_dev, int(R), l, L, heads, kvh, hd, H, m.inv_freq, s);
-    attention(m.q, m.rows_dev, int(R), l, L, heads, kvh, hd, scale, m.attn, s);
+    if (fused_linear(l, 0, m.h, H, m.q, qd + 2 * kvd)) {
+      bias_rope_store(m.q, m.q + qd, m.q + qd + kvd, qd + 2 * kvd, qd + 2 * kvd, m.rows_dev, int(R), l, L, heads, kvh,
+                      hd, H, m.inv_freq, s);
+      attention(m.q, qd + 2 * kvd, m.rows_dev, int(R), l, L, heads, kvh, hd, scale, m.attn, s);
+    } else {
+      linear(l, kQ, m.h, H, m.q, qd);
+      linear(l, kK, m.h, H, m.k, kvd);
+      linear(l, kV, m.h, H, m.v, kvd);
+      bias_rope_store(m.q, m.k, m.v, qd, kvd, m.rows_dev, int(R), l, L, heads, kvh, hd, H, m.inv_freq, s);
+      attention(m.q, qd, m.rows_dev, int(R), l, L, heads, kvh, hd, scale, m.attn, s);
+    }
     linear(l, kO, m.attn, qd, m.o, H);
     add_rmsnorm(m.x, m.o, m.rows_dev, nullptr, int(R), H, (2 * l + 1) * H,
                 c.o_bias ? l * bias_stride + qd + 2 * kvd : -1, eps, m.h, s);
-    linear(l, kGate, m.h, H, m.gate, I);
-    linear(l, kUp, m.h, H, m.up, I);
-    swiglu(m.gate, m.up, R * size_t(I), m.act, s);
+    if (fused_linear(l, 1, m.h, H, m.gate, 2 * I)) {
+      swiglu(m.gate, m.gate + I, 2 * I, int(R), I, m.act, s);
+    } else {
+      linear(l, kGate, m.h, H, m.gate, I);
+      linear(l, kUp, m.h, H, m.up, I);
+      swiglu(m.gate, m.up, I, int(R), I, m.act, s);
+    }
     linear(l, kDown, m.act, I, m.down, H);
   }
   std::vector<float> out;

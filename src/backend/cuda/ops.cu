@@ -53,7 +53,8 @@ __global__ void add_rmsnorm_kernel(float* x, const float* add, const RowDesc* ro
     out[size_t(blockIdx.x) * hidden + i] = __float2bfloat16(w[i] * (xr[i] * inv));
 }
 
-__global__ void bias_rope_store_kernel(float* q, const float* k, const float* v, const RowDesc* rows, int layer,
+__global__ void bias_rope_store_kernel(float* q, const float* k, const float* v, int q_stride, int kv_stride,
+                                       const RowDesc* rows, int layer,
                                        int layers, int heads, int kv_heads, int head_dim, int hidden,
                                        const float* inv_freq) {
   const int r = blockIdx.x;
@@ -61,9 +62,9 @@ __global__ void bias_rope_store_kernel(float* q, const float* k, const float* v,
   const int half = head_dim / 2, q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
   const float* bias = row.bias ? row.bias + size_t(layer) * (q_dim + 2 * kv_dim + hidden) : nullptr;
   __nv_bfloat16* kv = row.kv + (size_t(row.position) * layers + layer) * 2 * kv_dim;
-  float* qr = q + size_t(r) * q_dim;
-  const float* kr = k + size_t(r) * kv_dim;
-  const float* vr = v + size_t(r) * kv_dim;
+  float* qr = q + size_t(r) * q_stride;
+  const float* kr = k + size_t(r) * kv_stride;
+  const float* vr = v + size_t(r) * kv_stride;
   const int q_pairs = heads * half, k_pairs = kv_heads * half;
   for (int p = threadIdx.x; p < q_pairs + k_pairs; p += blockDim.x) {
     const bool is_q = p < q_pairs;
@@ -93,7 +94,7 @@ constexpr int kAttnWarps = 8;
 // One block per (row, head); its warps take every kAttnWarps-th position, each lane DPL dims of
 // the head, with an online softmax per warp; the warps' partial results are merged at the end.
 template <int DPL>
-__global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float* q, const RowDesc* rows, int layer,
+__global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float* q, int q_stride, const RowDesc* rows, int layer,
                                                                     int layers, int heads, int kv_heads,
                                                                     int head_dim, float scale,
                                                                     __nv_bfloat16* out) {
@@ -106,7 +107,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
   float qr[DPL], acc[DPL];
   for (int j = 0; j < DPL; ++j) {
     const int d = lane + 32 * j;
-    qr[j] = d < head_dim ? q[(size_t(r) * heads + h) * head_dim + d] * scale : 0.0f;
+    qr[j] = d < head_dim ? q[size_t(r) * q_stride + size_t(h) * head_dim + d] * scale : 0.0f;
     acc[j] = 0;
   }
   float m = -INFINITY, l = 0;
@@ -162,10 +163,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
   }
 }
 
-__global__ void swiglu_kernel(const float* gate, const float* up, size_t n, __nv_bfloat16* out) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float g = gate[i];
-    out[i] = __float2bfloat16(g / (1.0f + expf(-g)) * up[i]);
+__global__ void swiglu_kernel(const float* gate, const float* up, int stride, int n, __nv_bfloat16* out) {
+  const size_t r = blockIdx.y;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const float g = gate[r * stride + i];
+    out[r * n + i] = __float2bfloat16(g / (1.0f + expf(-g)) * up[r * stride + i]);
   }
 }
 
@@ -185,24 +187,24 @@ void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
-void bias_rope_store(float* q, const float* k, const float* v, const RowDesc* rows, int n_rows, int layer,
-                     int layers, int heads, int kv_heads, int head_dim, int hidden, const float* inv_freq,
-                     cudaStream_t stream) {
+void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int kv_stride, const RowDesc* rows,
+                     int n_rows, int layer, int layers, int heads, int kv_heads, int head_dim, int hidden,
+                     const float* inv_freq, cudaStream_t stream) {
   if (n_rows == 0) return;
-  bias_rope_store_kernel<<<n_rows, 256, 0, stream>>>(q, k, v, rows, layer, layers, heads, kv_heads, head_dim,
+  bias_rope_store_kernel<<<n_rows, 256, 0, stream>>>(q, k, v, q_stride, kv_stride, rows, layer, layers, heads, kv_heads, head_dim,
                                                      hidden, inv_freq);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
-void attention(const float* q, const RowDesc* rows, int n_rows, int layer, int layers, int heads, int kv_heads,
-               int head_dim, float scale, __nv_bfloat16* out, cudaStream_t stream) {
+void attention(const float* q, int q_stride, const RowDesc* rows, int n_rows, int layer, int layers, int heads,
+               int kv_heads, int head_dim, float scale, __nv_bfloat16* out, cudaStream_t stream) {
   if (n_rows == 0) return;
   const dim3 grid{unsigned(n_rows), unsigned(heads)};
   const int dpl = (head_dim + 31) / 32;
   switch (dpl) {
 #define BITDELTA_ATTN_CASE(D)                                                                                   \
   case D:                                                                                                       \
-    attention_kernel<D><<<grid, kAttnWarps * 32, 0, stream>>>(q, rows, layer, layers, heads, kv_heads, head_dim, \
+    attention_kernel<D><<<grid, kAttnWarps * 32, 0, stream>>>(q, q_stride, rows, layer, layers, heads, kv_heads, head_dim, \
                                                               scale, out);                                      \
     break;
     BITDELTA_ATTN_CASE(1)
@@ -220,10 +222,11 @@ void attention(const float* q, const RowDesc* rows, int n_rows, int layer, int l
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
-void swiglu(const float* gate, const float* up, size_t n, __nv_bfloat16* out, cudaStream_t stream) {
-  if (n == 0) return;
-  const unsigned blocks = unsigned(std::min<size_t>((n + 255) / 256, 4096));
-  swiglu_kernel<<<blocks, 256, 0, stream>>>(gate, up, n, out);
+void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,
+            cudaStream_t stream) {
+  if (n == 0 || n_rows == 0) return;
+  const dim3 grid{unsigned(std::min((n + 255) / 256, 64)), unsigned(n_rows)};
+  swiglu_kernel<<<grid, 256, 0, stream>>>(gate, up, stride, n, out);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 

@@ -34,17 +34,21 @@ void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row
 
 // Adds layer `layer`'s q/k/v biases (if the row has any), rotates q and k at the row's position
 // ("rotate half" pairs, angle = float(position)·inv_freq[i], cos/sin in double as the CPU does), and
-// stores k and v (bf16) into the row's cache at its position. q stays float32 in place.
-void bias_rope_store(float* q, const float* k, const float* v, const RowDesc* rows, int n_rows, int layer,
-                     int layers, int heads, int kv_heads, int head_dim, int hidden, const float* inv_freq,
-                     cudaStream_t stream);
+// stores k and v (bf16) into the row's cache at its position. q stays float32 in place. Row r of q
+// starts at q + r·q_stride, of k and v at r·kv_stride (q, k and v may be views of one [rows, q+2kv]
+// output of a fused linear).
+void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int kv_stride, const RowDesc* rows,
+                     int n_rows, int layer, int layers, int heads, int kv_heads, int head_dim, int hidden,
+                     const float* inv_freq, cudaStream_t stream);
 
 // out[r][head] = softmax(q·kᵀ·scale)·v over positions [0, position_r] of the row's cache at
 // `layer`, grouped-query (head → kv head head / (heads / kv_heads)). Online softmax in float32.
-void attention(const float* q, const RowDesc* rows, int n_rows, int layer, int layers, int heads, int kv_heads,
-               int head_dim, float scale, __nv_bfloat16* out, cudaStream_t stream);
+// Row r of q starts at q + r·q_stride; out is [rows, heads·head_dim].
+void attention(const float* q, int q_stride, const RowDesc* rows, int n_rows, int layer, int layers, int heads,
+               int kv_heads, int head_dim, float scale, __nv_bfloat16* out, cudaStream_t stream);
 
-// out = bf16(silu(gate) ⊙ up), n elements.
-void swiglu(const float* gate, const float* up, size_t n, __nv_bfloat16* out, cudaStream_t stream);
+// out[r][i] = bf16(silu(gate[r·stride + i]) ⊙ up[r·stride + i]) for i < n; out is [rows, n].
+void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,
+            cudaStream_t stream);
 
 }  // namespace bitdelta::cuda
