@@ -3,11 +3,12 @@
 // the pinned host tier and disk.
 //
 // Bound: the device rounds the input of every linear layer to bf16 (2⁻⁹ relative, ~0.1% rms) and
-// keeps the KV cache in bf16; the rest is float32. Every logit is a dot product of the final hidden
-// state (29 rounded linear inputs upstream of it on the demo model) with a row of the embedding, so
-// its error scales with the size of the logits, not its own value: measured up to 0.078 on logits
-// and log-probs of magnitude up to 13 (about 0.5% of the largest). The bound is
-// tolerance(ref) = 0.1 + 0.01·|ref| (the CPU's own bound against PyTorch is 2e-4); a wrong or missing
+// keeps the KV cache in bf16; the rest is float32. A variant's prefill of ≥ 48 rows also rounds
+// W_eff = W + α·S to bf16 (as an applied bf16 checkpoint is rounded). Every logit is a dot product of
+// the final hidden state (29 rounded linear inputs upstream of it on the demo model) with a row of the
+// embedding, so its error scales with the size of the logits, not its own value: measured up to
+// 0.078 through the fused kernels and 0.195 (on a log-prob of −7.8) with W_eff in bf16. The bound is
+// tolerance(ref) = 0.1 + 0.02·|ref| (the CPU's own bound against PyTorch is 2e-4); a wrong or missing
 // delta moves these values by whole units. Greedy continuations are compared until a step whose
 // top-2 margin is under 0.25, where either token is right.
 #include <gtest/gtest.h>
@@ -36,7 +37,7 @@ using nlohmann::json;
 const fs::path kRoot = std::getenv("BITDELTA_SOURCE_DIR") ? std::getenv("BITDELTA_SOURCE_DIR") : BITDELTA_SOURCE_DIR;
 const fs::path kDemo = kRoot / "models" / "demo";
 const fs::path kFixtures = kRoot / "tests" / "fixtures" / "reference";
-double tolerance(double ref) { return 0.1 + 0.01 * std::abs(ref); }
+double tolerance(double ref) { return 0.1 + 0.02 * std::abs(ref); }
 constexpr double kGpuTieMargin = 0.25;
 
 json load(const fs::path& p) {
@@ -108,13 +109,13 @@ TEST_F(GpuModel, FixturesOfEveryModelOfTheDemoFamily) {
       ASSERT_EQ(scored.prompt_logprobs.size(), want_lp.size()) << where;
       for (size_t i = 0; i < want_lp.size(); ++i) {
         worst = std::max(worst, std::abs(scored.prompt_logprobs[i] - want_lp[i]));
-        ASSERT_NEAR(scored.prompt_logprobs[i], want_lp[i], tolerance(want_lp[i])) << where << " logprob " << i;
+        EXPECT_NEAR(scored.prompt_logprobs[i], want_lp[i], tolerance(want_lp[i])) << where << " logprob " << i;
       }
       const auto top_ids = res["top20"]["ids"].get<std::vector<int32_t>>();
       const auto top_logits = res["top20"]["logits"].get<std::vector<double>>();
       for (size_t i = 0; i < top_ids.size(); ++i) {
         worst = std::max(worst, std::abs(scored.last_logits[size_t(top_ids[i])] - top_logits[i]));
-        ASSERT_NEAR(scored.last_logits[size_t(top_ids[i])], top_logits[i], tolerance(top_logits[i]))
+        EXPECT_NEAR(scored.last_logits[size_t(top_ids[i])], top_logits[i], tolerance(top_logits[i]))
             << where << " top " << i;
       }
       SamplingParams greedy;
@@ -128,7 +129,8 @@ TEST_F(GpuModel, FixturesOfEveryModelOfTheDemoFamily) {
       for (size_t k = 0; k < want.size(); ++k) {
         if (margins[k] < kGpuTieMargin) break;  // a near-tie: either token is right, and the rest differs
         ASSERT_LT(k, gen.tokens.size()) << where;
-        ASSERT_EQ(gen.tokens[k], want[k]) << where << " greedy step " << k;
+        EXPECT_EQ(gen.tokens[k], want[k]) << where << " greedy step " << k;
+        if (gen.tokens[k] != want[k]) break;
         ++compared_greedy;
       }
     }

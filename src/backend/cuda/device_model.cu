@@ -40,7 +40,8 @@ constexpr size_t kDecodeRows = 16;          // rows per fused decode launch (the
 // Rows of one weight (and delta) in a step from which a GEMM beats 16-row fused decode launches
 // (each of which reads the weight again): for the base alone cuBLAS wins from 17 rows; with a delta
 // the GEMM needs W_eff materialized (≈ 3× the weight's bytes), which wins from about 48 rows
-// (7B-shaped decode at batch 32: 2 fused launches 2.1× the base GEMM, W_eff + GEMM 2.1×, measured).
+// (7B-shaped decode at batch 32 of one variant: 16.1 ms through two fused launches per linear,
+// 18.2 ms through W_eff + GEMM; the base alone through cuBLAS 8.8 ms; bench/RESULTS.md).
 constexpr size_t kGemmRowsBase = 17, kGemmRowsDelta = 48;
 size_t gemm_rows(bool with_delta) { return with_delta ? kGemmRowsDelta : kGemmRowsBase; }
 constexpr size_t kPrefillScratch = size_t(16) << 20;  // W_eff chunk elements (×2 buffers, bf16)
