@@ -37,7 +37,8 @@ double measure_read_bandwidth() {
       for (size_t t = b; t < e; ++t) {
         const size_t n = buf.size() / kThreads, from = t * n;
         uint64_t a = 0, c = 0, d = 0, f = 0;
-        for (size_t i = from; i < from + n; i += 4) a += buf[i], c += buf[i + 1], d += buf[i + 2], f += buf[i + 3];
+        for (size_t i = from; i < from + n; i += 4)
+          a += buf[i], c += buf[i + 1], d += buf[i + 2], f += buf[i + 3];
         sums[t * 8] = a + c + d + f;
       }
     });
@@ -84,7 +85,9 @@ void BM_Linear(benchmark::State& state) {
   size_t copy = 0;
   for (auto _ : state) {
     for (size_t r = 0; r < rows; ++r)
-      deltas[r] = variants ? DeltaRef{s.signs[copy][r % variants].data(), s.alpha[r % variants].data(), true} : DeltaRef{};
+      deltas[r] = variants ? DeltaRef{s.signs[copy][r % variants].data(),
+                                      s.alpha[r % variants].data(), true}
+                           : DeltaRef{};
     const TensorView w{DType::BF16, {N, K}, std::as_bytes(std::span(s.w[copy]))};
     cpu::fused_linear(w, x, rows, deltas, nullptr, y, pool());
     copy = (copy + 1) % s.copies;
@@ -92,7 +95,36 @@ void BM_Linear(benchmark::State& state) {
   const double bytes = double(N * K * 2) + double(variants) * double(N * ((K + 7) / 8) + N * 4);
   state.SetBytesProcessed(int64_t(double(state.iterations()) * bytes));
   state.counters["MB"] = bytes / 1e6;
-  state.counters["roofline"] = benchmark::Counter(bytes / g_read_bw, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["roofline"] =
+      benchmark::Counter(bytes / g_read_bw, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The same calls on ONE thread with one small weight (32×4096 bf16 = 256 KB, plus the variants'
+// signs, stays in the core's 512 KB L2), repeated: no DRAM traffic and no thread wake-ups, so this
+// is the compute ceiling of each tile on one core. Reports weights/s (N·K per call; the batch rows
+// reuse the same weights) next to one core's share of the DRAM rate (2-thread read bandwidth / 2
+// threads / 2 bytes per bf16 weight): a tile slower than that is compute-bound on cold weights.
+void BM_LinearHot(benchmark::State& state) {
+  const size_t N = size_t(state.range(0)), K = size_t(state.range(1));
+  const size_t rows = size_t(state.range(2)), variants = size_t(state.range(3));
+  std::mt19937 rng(1);
+  std::vector<uint16_t> w(N * K);
+  for (auto& v : w) v = f32_to_bf16(float(int(rng() % 2001) - 1000) * 1e-4f);
+  std::vector<std::vector<uint8_t>> signs(variants, std::vector<uint8_t>(N * ((K + 7) / 8)));
+  for (auto& sv : signs)
+    for (auto& b : sv) b = uint8_t(rng());
+  const std::vector<float> alpha(N, 1e-3f);
+  std::vector<float> x(rows * K), y(rows * N);
+  for (auto& v : x) v = float(int(rng() % 2001) - 1000) * 1e-3f;
+  std::vector<DeltaRef> deltas(rows);
+  for (size_t r = 0; r < rows; ++r)
+    if (variants) deltas[r] = DeltaRef{signs[r % variants].data(), alpha.data(), true};
+  const TensorView wv{DType::BF16, {N, K}, std::as_bytes(std::span(w))};
+  ThreadPool one(1);
+  for (auto _ : state) cpu::fused_linear(wv, x, rows, deltas, nullptr, y, one);
+  state.counters["Gw/s"] =
+      benchmark::Counter(double(N * K) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["DRAM_Gw/s"] = g_read_bw / double(kThreads) / 2 / 1e9;
 }
 
 }  // namespace
@@ -100,16 +132,26 @@ void BM_Linear(benchmark::State& state) {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   g_read_bw = measure_read_bandwidth();
-  std::printf("measured read bandwidth (%zu threads, 1 GiB, best of 5): %.2f GB/s\n", kThreads, g_read_bw / 1e9);
+  std::printf("measured read bandwidth (%zu threads, 1 GiB, best of 5): %.2f GB/s\n", kThreads,
+              g_read_bw / 1e9);
   for (auto [N, K] : {std::pair<long, long>{4096, 4096}, {11008, 4096}}) {
     for (auto [rows, variants] : {std::pair<long, long>{1, 0}, {1, 1}, {8, 0}, {8, 8}}) {
-      const std::string name = std::string(variants ? "fused" : "base") + "/rows:" + std::to_string(rows) +
+      const std::string name = std::string(variants ? "fused" : "base") +
+                               "/rows:" + std::to_string(rows) +
                                "/variants:" + std::to_string(variants);
       benchmark::RegisterBenchmark(name.c_str(), BM_Linear)
           ->Args({N, K, rows, variants})
           ->Unit(benchmark::kMicrosecond)
           ->UseRealTime();
     }
+  }
+  for (auto [rows, variants] : {std::pair<long, long>{1, 0}, {1, 1}, {8, 0}, {8, 8}}) {
+    const std::string name = std::string("hot/") + (variants ? "fused" : "base") +
+                             "/rows:" + std::to_string(rows) +
+                             "/variants:" + std::to_string(variants);
+    benchmark::RegisterBenchmark(name.c_str(), BM_LinearHot)
+        ->Args({32, 4096, rows, variants})
+        ->Unit(benchmark::kMicrosecond);  // one thread: CPU time, robust to other load
   }
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

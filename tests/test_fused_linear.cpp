@@ -26,42 +26,80 @@ Delta random_delta(size_t N, size_t K, bool per_row, uint64_t seed) {
   return d;
 }
 
+// got (SIMD tiles / GEMM) and the plain loops against the reference, for every output.
+void expect_matches_reference(const test::HostTensor& w, const std::vector<float>& x, size_t rows,
+                              const std::vector<DeltaRef>& refs, const float* bias,
+                              ThreadPool& pool) {
+  const size_t N = w.shape[0], K = w.shape[1];
+  const TensorView wv{w.dtype, w.shape, w.bytes};
+  std::vector<float> got(rows * N, NAN), plain(rows * N, NAN), ref(rows * N);
+  fused_linear(wv, x, rows, refs, bias, got, pool);
+  fused_linear(wv, x, rows, refs, bias, plain, pool, /*simd=*/false);
+  fused_linear_reference(wv, x, rows, refs, bias, ref);
+  const auto wf = w.floats();
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t n = 0; n < N; ++n) {
+      // f32 accumulation of K products: error below K·2⁻²⁴·Σ|w_eff·x| (plus, on the paths that
+      // use S·x = 2·bits·x − Σx, the cancellation, bounded by α·K·2⁻²⁴·Σ|x|; α < 0.02 here).
+      double scale = 0;
+      for (size_t k = 0; k < K; ++k)
+        scale += std::fabs((std::fabs(wf[n * K + k]) + 0.02) * x[r * K + k]);
+      ASSERT_NEAR(got[r * N + n], ref[r * N + n], 1.2e-7 * double(K) * scale + 1e-6)
+          << dtype_name(w.dtype) << " N=" << N << " K=" << K << " rows=" << rows << " r=" << r
+          << " n=" << n;
+      ASSERT_NEAR(plain[r * N + n], ref[r * N + n], 1.2e-7 * double(K) * scale + 1e-6)
+          << "plain loops: " << dtype_name(w.dtype) << " N=" << N << " K=" << K << " rows=" << rows;
+    }
+}
+
 TEST(FusedLinear, MatchesReferenceOnRandomShapesAndMixedVariants) {
   ThreadPool pool(2);
   std::mt19937_64 rng(7);
   for (DType dtype : {DType::BF16, DType::F16, DType::F32}) {
-    for (auto [N, K] : {std::pair<size_t, size_t>{1, 1}, {7, 13}, {33, 64}, {64, 77}, {130, 255}, {17, 1000}}) {
-      for (size_t rows : {1, 3, 4, 5, 9, 16}) {  // >= 4 rows: the GEMM path; 16: a variant with 4 rows
-        const auto w = test::HostTensor::from_floats(dtype, {N, K}, test::random_floats(N * K, rng(), 0.1f));
-        const TensorView wv{w.dtype, w.shape, w.bytes};
+    for (auto [N, K] :
+         {std::pair<size_t, size_t>{1, 1}, {7, 13}, {33, 64}, {64, 77}, {130, 255}, {17, 1000}}) {
+      for (size_t rows : {1, 3, 4, 5, 9, 16}) {  // < 16 rows: SIMD tiles; 16: the GEMM path
+        const auto w =
+            test::HostTensor::from_floats(dtype, {N, K}, test::random_floats(N * K, rng(), 0.1f));
         const auto x = test::random_floats(rows * K, rng());
         std::vector<Delta> variants;
         for (int v = 0; v < 3; ++v) variants.push_back(random_delta(N, K, v != 2, rng()));
         std::vector<DeltaRef> refs(rows);
         for (size_t r = 0; r < rows; ++r) {
           const size_t v = (r * 7 + N) % 4;  // 3 = the base alone
-          if (v < 3) refs[r] = {variants[v].signs.data(), variants[v].alpha.data(), variants[v].alpha.size() > 1};
+          if (v < 3)
+            refs[r] = {variants[v].signs.data(), variants[v].alpha.data(),
+                       variants[v].alpha.size() > 1};
         }
         const auto bias = test::random_floats(N, rng());
-        for (const float* b : {static_cast<const float*>(nullptr), bias.data()}) {
-          std::vector<float> got(rows * N, NAN), plain(rows * N, NAN), ref(rows * N);
-          fused_linear(wv, x, rows, refs, b, got, pool);
-          fused_linear(wv, x, rows, refs, b, plain, pool, /*simd=*/false);
-          fused_linear_reference(wv, x, rows, refs, b, ref);
-          const auto wf = w.floats();
-          for (size_t r = 0; r < rows; ++r)
-            for (size_t n = 0; n < N; ++n) {
-              // f32 accumulation of K products: error below K·2⁻²⁴·Σ|w_eff·x| (plus the
-              // cancellation in S·x = 2·bits·x − Σx, bounded by α·K·2⁻²⁴·Σ|x|).
-              double scale = 0;
-              for (size_t k = 0; k < K; ++k) scale += std::fabs((std::fabs(wf[n * K + k]) + 0.02) * x[r * K + k]);
-              ASSERT_NEAR(got[r * N + n], ref[r * N + n], 1.2e-7 * double(K) * scale + 1e-6)
-                  << dtype_name(dtype) << " N=" << N << " K=" << K << " rows=" << rows << " r=" << r << " n=" << n;
-              ASSERT_NEAR(plain[r * N + n], ref[r * N + n], 1.2e-7 * double(K) * scale + 1e-6)
-                  << "plain loops: " << dtype_name(dtype) << " N=" << N << " K=" << K << " rows=" << rows;
-            }
-        }
+        for (const float* b : {static_cast<const float*>(nullptr), bias.data()})
+          expect_matches_reference(w, x, rows, refs, b, pool);
       }
+    }
+  }
+}
+
+// A decode step of many variants: every delta row its own variant (the SIMD tiles take 1 to 4
+// delta rows per pass, base rows in their own passes), rows in an order mixing the two, and a
+// K large enough that an output-row block is the 4-row minimum (K·2 bytes > 8 KB) with a tail.
+TEST(FusedLinear, ManyDistinctVariantsLargeK) {
+  ThreadPool pool(2);
+  std::mt19937_64 rng(11);
+  for (DType dtype : {DType::BF16, DType::F16, DType::F32}) {
+    for (auto [N, K, rows] :
+         {std::tuple<size_t, size_t, size_t>{37, 4100, 10}, {9, 4099, 15}, {66, 8, 7}}) {
+      const auto w =
+          test::HostTensor::from_floats(dtype, {N, K}, test::random_floats(N * K, rng(), 0.1f));
+      const auto x = test::random_floats(rows * K, rng());
+      std::vector<Delta> variants;
+      for (size_t v = 0; v < rows; ++v) variants.push_back(random_delta(N, K, v % 3 != 2, rng()));
+      std::vector<DeltaRef> refs(rows);
+      for (size_t r = 0; r < rows; ++r)
+        if (r % 5 != 1)  // rows 1, 6, 11: the base alone
+          refs[r] = {variants[r].signs.data(), variants[r].alpha.data(),
+                     variants[r].alpha.size() > 1};
+      const auto bias = test::random_floats(N, rng());
+      expect_matches_reference(w, x, rows, refs, bias.data(), pool);
     }
   }
 }
