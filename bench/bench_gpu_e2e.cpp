@@ -28,6 +28,7 @@
 #include "backend/cuda/device_model.h"
 #include "bitdelta/engine.h"
 #include "bitdelta/error.h"
+#include "bitdelta/mapped_file.h"
 #include "bitdelta/model.h"
 
 namespace fs = std::filesystem;
@@ -170,6 +171,8 @@ int main(int argc, char** argv) {
     drop_from_page_cache(cold);
     {
       const auto t0 = Clock::now();
+      prefetch_file(cold);  // as the engine's loader does
+      const double prefetch_s = secs(t0, Clock::now());
       auto delta = std::make_shared<const DeltaFile>(cold);
       auto p1 = model.prepare_variant("cold", delta);
       const double total = secs(t0, Clock::now());
@@ -177,13 +180,13 @@ int main(int argc, char** argv) {
       auto t1 = Clock::now();
       auto p2 = model.prepare_variant("cold2", delta);
       const double again = secs(t1, Clock::now());
-      std::printf("\ncold load of %s: %.0f MB on the device in %.3f s (file -> pinned %.3f s = %.2f GB/s, pinned -> "
-                  "device %.3f s = %.1f GB/s)\n",
-                  cold.filename().c_str(), bytes / 1e6, total, p1->read_s, bytes / p1->read_s / 1e9, p1->copy_s,
-                  bytes / p1->copy_s / 1e9);
+      std::printf("\ncold load of %s: %.0f MB on the device in %.3f s (sequential read %.3f s, open + validate %.3f s, "
+                  "-> pinned %.3f s, pinned -> device %.3f s = %.1f GB/s)\n",
+                  cold.filename().c_str(), bytes / 1e6, total, prefetch_s,
+                  total - prefetch_s - p1->read_s - p1->copy_s, p1->read_s, p1->copy_s, bytes / p1->copy_s / 1e9);
       std::printf("  floor: disk %.3f s + host->device %.3f s; reload from the pinned host tier: %.3f s (hit: %s)\n",
                   bytes / disk, bytes / h2d, again, p2->host_hit ? "yes" : "no");
-      out["cold_load"] = {{"bytes", bytes},       {"total_s", total},      {"read_s", p1->read_s},
+      out["cold_load"] = {{"bytes", bytes},       {"total_s", total}, {"prefetch_s", prefetch_s}, {"read_s", p1->read_s},
                           {"copy_s", p1->copy_s}, {"disk_floor_s", bytes / disk}, {"h2d_floor_s", bytes / h2d},
                           {"host_tier_reload_s", again}, {"host_hit", p2->host_hit}};
     }
@@ -206,8 +209,8 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < n; ++i) t[i] = int32_t((seed * 7919 + i * 104729 + 3) % c.vocab_size);
       return t;
     };
-    // Bytes one decode step must read: every linear of the base, the lm_head, and each distinct
-    // variant's signs and α. Roofline: those bytes at the device-to-device copy rate (bytes read +
+    // Bytes one decode step must read: every linear of the base, the lm_head, each distinct
+    // variant's signs and α, and the KV cache (below). Roofline: those bytes at the device-to-device copy rate (bytes read +
     // written per second), as bench/cuda/NOTES.md counts it.
     const double base_linear_bytes = [&] {
       double b = 0;
@@ -260,8 +263,13 @@ int main(int argc, char** argv) {
       std::vector<int> distinct(cs.variants);
       std::sort(distinct.begin(), distinct.end());
       distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+      // Plus the KV cache attention reads (bf16 keys and values of every earlier position, all layers)
+      // at the middle step.
+      const double kv_bytes = double(seqs.size()) * double(prompt + decode / 2) * double(c.layers) * 2.0 *
+                              double(c.kv_heads * c.head_dim) * 2.0;
       const double bytes =
-          base_linear_bytes + double(std::count_if(distinct.begin(), distinct.end(), [](int v) { return v > 0; })) * delta_bytes;
+          base_linear_bytes + kv_bytes +
+          double(std::count_if(distinct.begin(), distinct.end(), [](int v) { return v > 0; })) * delta_bytes;
       const double t = median(times);
       std::printf("%-44s %8.2f ms %10.1f %10.2f %8.2f\n", cs.name.c_str(), t * 1e3, double(seqs.size()) / t, bytes / 1e9,
                   bytes / d2d / t);

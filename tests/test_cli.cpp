@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/cuda/device_model.h"
 #include "bitdelta/fingerprint.h"
 #include "test_util.h"
 
@@ -173,6 +174,20 @@ TEST_F(Cli, UnwritableOutputAndWrongBase) {
   expect_failure("inspect " + p("missing.bitdelta"), {p("missing.bitdelta"), "cannot open"});
   const auto r = run("apply " + p("other") + " " + p("scratch/v.bitdelta") + " -o " + p("out/forced") + " --force");
   EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+// Where no CUDA device can be used (this build without CUDA, or no GPU), --device cuda is one line
+// naming the reason; a malformed --device names what it accepts.
+TEST_F(Cli, DeviceOptionWithoutAGpu) {
+  const std::string base = (fs::path(BITDELTA_SOURCE_DIR) / "models" / "demo" / "base").string();
+  if (!fs::exists(base)) GTEST_SKIP() << "models/demo is missing";
+  if (cuda::unavailable_reason().empty()) GTEST_SKIP() << "a CUDA device is usable here (tests/gpu cover it)";
+  for (const char* cmd : {"score BASE --tokens 1,2,3", "generate BASE --prompt-tokens 1,2 --max-tokens 2"}) {
+    std::string args = cmd;
+    args.replace(args.find("BASE"), 4, base);
+    expect_failure(args + " --device cuda", {"--device cuda", cuda::unavailable_reason()});
+    expect_failure(args + " --device tpu", {"--device", "'tpu'", "cpu, cuda or cuda:N"});
+  }
 }
 
 }  // namespace

@@ -208,6 +208,9 @@ struct Engine::Impl {
     loader.thread = std::thread([this, path, name = v.name, done = loader.done,
                                  promise = std::move(promise)]() mutable {
       try {
+        // One sequential pass first: opening the file then faults only cached pages (a cold file
+        // read through its mapping runs at a fraction of the disk's speed).
+        if (fs::exists(path)) prefetch_file(path);
         auto delta = std::make_shared<const DeltaFile>(path);
         // On the CPU, bring every page into memory now, so the first step that uses it does not
         // stall; on a device, prepare_variant uploads it (through the pinned host tier) instead.

@@ -7,13 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <vector>
 
 #include "backend/cpu/ops.h"
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/ops.cuh"
 #include "bitdelta/dtype.h"
+#include "test_util.h"
 
 namespace bitdelta {
 namespace {
@@ -36,13 +36,7 @@ struct Buf {
   }
 };
 
-std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) { return test::random_floats(n, seed, scale); }
 std::vector<__nv_bfloat16> to_bf16(const std::vector<float>& v) {
   std::vector<__nv_bfloat16> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
