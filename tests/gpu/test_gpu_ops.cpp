@@ -113,35 +113,55 @@ TEST_F(GpuOps, EmbeddingGatherAndRmsnormWithResidualAdd) {
   check_close(to_f32(out.get()), want_out, 4.5e-3, "rmsnorm (bf16 out)");
 }
 
+// Rows of five sequences: four decode rows (positions 0, 1, 36 and 299) and a prefill run of 11
+// rows at positions 40..50 of the fifth, which the attention takes as tiles of 8 and 3 rows.
 TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
   for (const auto& [heads, kv_heads, head_dim] : {std::tuple{32, 8, 128}, std::tuple{4, 2, 48}, std::tuple{8, 8, 64}}) {
     SCOPED_TRACE(testing::Message() << heads << " heads, " << kv_heads << " kv heads, head_dim " << head_dim);
     const int layers = 3, layer = 1, hidden = 64;
     const int q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
-    const int lengths[] = {1, 2, 37, 300};  // one row per sequence, at position length − 1
-    const int rows = 4, cap = 300;
+    const int n_seq = 5, cap = 300;
+    std::vector<std::pair<int, int>> row_at = {{0, 0}, {1, 1}, {2, 36}, {3, 299}};  // (sequence, position)
+    for (int p = 40; p <= 50; ++p) row_at.push_back({4, p});
+    const int rows = int(row_at.size());
     std::vector<float> inv_freq(size_t(head_dim / 2));
     for (size_t i = 0; i < inv_freq.size(); ++i) inv_freq[i] = float(1.0 / std::pow(10000.0, 2.0 * double(i) / head_dim));
     Buf<float> dinv(inv_freq.size());
     dinv.put(inv_freq);
     // Each sequence's cache, filled at earlier positions with random bf16 keys and values.
-    std::vector<std::vector<float>> cache(rows);
+    std::vector<std::vector<float>> cache(n_seq);
     std::vector<std::unique_ptr<Buf<__nv_bfloat16>>> dcache;
     const size_t per_pos = size_t(layers) * 2 * kv_dim;
-    for (int r = 0; r < rows; ++r) {
-      cache[size_t(r)] = randn(size_t(cap) * per_pos, 10 + uint64_t(r));
-      for (auto& v : cache[size_t(r)]) v = round_bf16(v);
-      dcache.push_back(std::make_unique<Buf<__nv_bfloat16>>(cache[size_t(r)].size()));
-      dcache.back()->put(to_bf16(cache[size_t(r)]));
+    for (int s = 0; s < n_seq; ++s) {
+      cache[size_t(s)] = randn(size_t(cap) * per_pos, 10 + uint64_t(s));
+      for (auto& v : cache[size_t(s)]) v = round_bf16(v);
+      dcache.push_back(std::make_unique<Buf<__nv_bfloat16>>(cache[size_t(s)].size()));
+      dcache.back()->put(to_bf16(cache[size_t(s)]));
     }
     const auto bias = randn(size_t(layers) * (q_dim + 2 * kv_dim + hidden), 20, 0.1f);
     Buf<float> dbias(bias.size());
     dbias.put(bias);
-    std::vector<cuda::RowDesc> desc(rows);
-    for (int r = 0; r < rows; ++r)
-      desc[size_t(r)] = {0, lengths[r] - 1, dcache[size_t(r)]->p, nullptr, nullptr, r == 2 ? nullptr : dbias.p};
-    Buf<cuda::RowDesc> ddesc(rows);
+    auto has_bias = [](int seq) { return seq != 2; };
+    std::vector<cuda::RowDesc> desc(static_cast<size_t>(rows));
+    for (int r = 0; r < rows; ++r) {
+      const auto [seq, pos] = row_at[size_t(r)];
+      desc[size_t(r)] = {0, pos, dcache[size_t(seq)]->p, nullptr, nullptr, has_bias(seq) ? dbias.p : nullptr};
+    }
+    Buf<cuda::RowDesc> ddesc(static_cast<size_t>(rows));
     ddesc.put(desc);
+    // Tiles as the model makes them: consecutive rows of one sequence, consecutive positions.
+    std::vector<int2> tiles;
+    for (int r = 0; r < rows;) {
+      int e = r + 1;
+      while (e < rows && e - r < cuda::kAttnTile && row_at[size_t(e)].first == row_at[size_t(r)].first &&
+             row_at[size_t(e)].second == row_at[size_t(e - 1)].second + 1)
+        ++e;
+      tiles.push_back(make_int2(r, e - r));
+      r = e;
+    }
+    ASSERT_EQ(tiles.size(), 6u);
+    Buf<int2> dtiles(tiles.size());
+    dtiles.put(tiles);
     const auto q = randn(size_t(rows) * q_dim, 30), k = randn(size_t(rows) * kv_dim, 31), v = randn(size_t(rows) * kv_dim, 32);
     Buf<float> dq(q.size()), dk(k.size()), dv(v.size());
     dq.put(q);
@@ -151,13 +171,16 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     const float scale = 1.0f / std::sqrt(float(head_dim));
     cuda::bias_rope_store(dq.p, dk.p, dv.p, q_dim, kv_dim, ddesc.p, rows, layer, layers, heads, kv_heads, head_dim,
                           hidden, dinv.p, nullptr);
-    cuda::attention(dq.p, q_dim, ddesc.p, rows, layer, layers, heads, kv_heads, head_dim, scale, out.p, nullptr);
+    cuda::attention(dq.p, q_dim, ddesc.p, dtiles.p, int(tiles.size()), cuda::kAttnTile, layer, layers, heads,
+                    kv_heads, head_dim, scale, out.p, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
 
-    // CPU: bias, rope, store (bf16-rounded, as the cache holds), attend over the float cache.
+    // CPU, row by row: bias, rope, store (bf16-rounded, as the cache holds), attend over the float
+    // cache (a row sees its own and earlier positions, stored by earlier rows of its sequence).
     std::vector<float> want_q(q), want_out(out.n);
     for (int r = 0; r < rows; ++r) {
-      const float* b = r == 2 ? nullptr : &bias[size_t(layer) * (q_dim + 2 * kv_dim + hidden)];
+      const auto [seq, p] = row_at[size_t(r)];
+      const float* b = has_bias(seq) ? &bias[size_t(layer) * (q_dim + 2 * kv_dim + hidden)] : nullptr;
       float* qr = &want_q[size_t(r) * q_dim];
       std::vector<float> kr(&k[size_t(r) * kv_dim], &k[size_t(r + 1) * kv_dim]);
       std::vector<float> vr(&v[size_t(r) * kv_dim], &v[size_t(r + 1) * kv_dim]);
@@ -165,12 +188,12 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
         for (int i = 0; i < q_dim; ++i) qr[i] += b[i];
         for (int i = 0; i < kv_dim; ++i) kr[size_t(i)] += b[q_dim + i], vr[size_t(i)] += b[q_dim + kv_dim + i];
       }
-      const size_t pos = size_t(lengths[r] - 1);
+      const size_t pos = size_t(p);
       cpu::rope(qr, size_t(heads), size_t(head_dim), pos, inv_freq);
       cpu::rope(kr.data(), size_t(kv_heads), size_t(head_dim), pos, inv_freq);
-      float* at = &cache[size_t(r)][(pos * layers + layer) * 2 * kv_dim];
+      float* at = &cache[size_t(seq)][(pos * layers + layer) * 2 * kv_dim];
       for (int i = 0; i < kv_dim; ++i) at[i] = round_bf16(kr[size_t(i)]), at[kv_dim + i] = round_bf16(vr[size_t(i)]);
-      const float* keys = &cache[size_t(r)][size_t(layer) * 2 * kv_dim];
+      const float* keys = &cache[size_t(seq)][size_t(layer) * 2 * kv_dim];
       for (int h = 0; h < heads; ++h)
         cpu::attend(qr + h * head_dim, keys, keys + kv_dim, pos + 1, per_pos,
                     size_t(h / (heads / kv_heads) * head_dim), size_t(head_dim), scale,
@@ -180,12 +203,12 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     // rounded values. Attention: softmax in another order plus the bf16 output rounding (2⁻⁹).
     check_close(dq.get(), want_q, 1e-5, "rope q");
     for (int r = 0; r < rows; ++r) {
-      const size_t pos = size_t(lengths[r] - 1);
+      const auto [seq, p] = row_at[size_t(r)];
       std::vector<__nv_bfloat16> got(2 * size_t(kv_dim));
-      cudaMemcpy(got.data(), dcache[size_t(r)]->p + (pos * layers + layer) * 2 * kv_dim, got.size() * 2,
+      cudaMemcpy(got.data(), dcache[size_t(seq)]->p + (size_t(p) * layers + layer) * 2 * kv_dim, got.size() * 2,
                  cudaMemcpyDeviceToHost);
-      const float* want = &cache[size_t(r)][(pos * layers + layer) * 2 * kv_dim];
-      check_close(to_f32(got), std::vector<float>(want, want + 2 * kv_dim), 4e-3, "k, v stored in the cache");
+      const float* want = &cache[size_t(seq)][(size_t(p) * layers + layer) * 2 * kv_dim];
+      EXPECT_EQ(to_f32(got), std::vector<float>(want, want + 2 * kv_dim)) << "k, v stored at row " << r;
     }
     check_close(to_f32(out.get()), want_out, 5e-3, "attention (bf16 out)");
   }

@@ -41,7 +41,7 @@ constexpr size_t kDecodeRows = 16;          // rows per fused decode launch (the
 // (each of which reads the weight again): for the base alone cuBLAS wins from 17 rows; with a delta
 // the GEMM needs W_eff materialized (≈ 3× the weight's bytes), which wins from about 48 rows
 // (7B-shaped decode at batch 32 of one variant: 16.1 ms through two fused launches per linear,
-// 18.2 ms through W_eff + GEMM; the base alone through cuBLAS 8.8 ms; bench/RESULTS.md).
+// 18.2 ms through W_eff + GEMM; the base alone through cuBLAS 8.9 ms; bench/cuda/NOTES.md).
 constexpr size_t kGemmRowsBase = 17, kGemmRowsDelta = 48;
 size_t gemm_rows(bool with_delta) { return with_delta ? kGemmRowsDelta : kGemmRowsBase; }
 constexpr size_t kPrefillScratch = size_t(16) << 20;  // W_eff chunk elements (×2 buffers, bf16)
@@ -340,6 +340,7 @@ struct DeviceModel::Impl {
   bf16 *h = nullptr, *attn = nullptr, *act = nullptr;
   RowDesc* rows_dev = nullptr;
   int* map_dev = nullptr;
+  int2* tiles_dev = nullptr;
   // Pinned staging for the step's row descriptors and its logits.
   void* host_in = nullptr;
   size_t host_in_bytes = 0;
@@ -364,7 +365,7 @@ struct DeviceModel::Impl {
     const size_t qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim, V = c.vocab_size;
     const size_t sizes[] = {R * H * 4,  R * (qd + 2 * kvd) * 4, R * kvd * 4, R * kvd * 4, R * H * 4,
                             R * 2 * I * 4,  R * I * 4,  R * H * 4,   R * V * 4,   R * std::max({H, qd}) * 2,
-                            R * qd * 2, R * I * 2,  R * sizeof(RowDesc), R * 4};
+                            R * qd * 2, R * I * 2,  R * sizeof(RowDesc), R * 4, R * sizeof(int2)};
     size_t total = 0;
     for (size_t s : sizes) total += align_up(s);
     if (scratch) {
@@ -393,8 +394,9 @@ struct DeviceModel::Impl {
     act = reinterpret_cast<bf16*>(take(sizes[11]));
     rows_dev = reinterpret_cast<RowDesc*>(take(sizes[12]));
     map_dev = reinterpret_cast<int*>(take(sizes[13]));
+    tiles_dev = reinterpret_cast<int2*>(take(sizes[14]));
     cap_rows = R;
-    const size_t in_bytes = R * (sizeof(RowDesc) + 4);
+    const size_t in_bytes = R * (sizeof(RowDesc) + 4 + sizeof(int2)) + 8;
     if (in_bytes > host_in_bytes) {
       BITDELTA_CUDA_CHECK(cudaStreamSynchronize(ctx->stream));
       if (host_in) cudaFreeHost(host_in);
@@ -453,7 +455,8 @@ DeviceModel::DeviceModel(const ModelConfig& config, const VariantWeights& base, 
   cudaDeviceProp prop{};
   BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, options.device));
   m.name = prop.name;
-  if (config.head_dim > 256 || config.head_dim % 2) fail("--device cuda: head_dim ", config.head_dim, " unsupported");
+  if (config.head_dim > 256 || config.head_dim % 8)
+    fail("--device cuda: head_dim ", config.head_dim, " unsupported (a multiple of 8, at most 256)");
   // Freed stream-ordered memory stays in the pool: steps and loads re-allocate without the driver.
   cudaMemPool_t pool;
   BITDELTA_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, options.device));
@@ -632,8 +635,22 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   }
   const size_t W = want_sorted.size();
   for (size_t j = 0; j < W; ++j) map[j] = int(want_sorted[j]);
+  // Attention tiles: runs of rows of one sequence at consecutive positions, up to kAttnTile each.
+  auto* tiles = reinterpret_cast<int2*>(map + R + (R & 1));  // 8-byte aligned
+  int n_tiles = 0, max_tile = 0;
+  for (size_t i = 0; i < R;) {
+    size_t e = i + 1;
+    while (e < R && e - i < size_t(kAttnTile) && desc[e].kv == desc[i].kv &&
+           desc[e].position == desc[e - 1].position + 1)
+      ++e;
+    tiles[n_tiles++] = make_int2(int(i), int(e - i));
+    max_tile = std::max(max_tile, int(e - i));
+    i = e;
+  }
   BITDELTA_CUDA_CHECK(
       cudaMemcpyAsync(m.rows_dev, desc, R * sizeof(RowDesc), cudaMemcpyHostToDevice, m.ctx->stream));
+  BITDELTA_CUDA_CHECK(
+      cudaMemcpyAsync(m.tiles_dev, tiles, size_t(n_tiles) * sizeof(int2), cudaMemcpyHostToDevice, m.ctx->stream));
   if (W > 0) BITDELTA_CUDA_CHECK(cudaMemcpyAsync(m.map_dev, map, W * 4, cudaMemcpyHostToDevice, m.ctx->stream));
 
   std::vector<const LinearOnDevice*> lin(R);
@@ -659,13 +676,13 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
     if (fused_linear(l, 0, m.h, H, m.q, qd + 2 * kvd)) {
       bias_rope_store(m.q, m.q + qd, m.q + qd + kvd, qd + 2 * kvd, qd + 2 * kvd, m.rows_dev, int(R), l, L, heads, kvh,
                       hd, H, m.inv_freq, s);
-      attention(m.q, qd + 2 * kvd, m.rows_dev, int(R), l, L, heads, kvh, hd, scale, m.attn, s);
+      attention(m.q, qd + 2 * kvd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, l, L, heads, kvh, hd, scale, m.attn, s);
     } else {
       linear(l, kQ, m.h, H, m.q, qd);
       linear(l, kK, m.h, H, m.k, kvd);
       linear(l, kV, m.h, H, m.v, kvd);
       bias_rope_store(m.q, m.k, m.v, qd, kvd, m.rows_dev, int(R), l, L, heads, kvh, hd, H, m.inv_freq, s);
-      attention(m.q, qd, m.rows_dev, int(R), l, L, heads, kvh, hd, scale, m.attn, s);
+      attention(m.q, qd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, l, L, heads, kvh, hd, scale, m.attn, s);
     }
     linear(l, kO, m.attn, qd, m.o, H);
     add_rmsnorm(m.x, m.o, m.rows_dev, nullptr, int(R), H, (2 * l + 1) * H,

@@ -41,11 +41,18 @@ void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int
                      int n_rows, int layer, int layers, int heads, int kv_heads, int head_dim, int hidden,
                      const float* inv_freq, cudaStream_t stream);
 
-// out[r][head] = softmax(q·kᵀ·scale)·v over positions [0, position_r] of the row's cache at
-// `layer`, grouped-query (head → kv head head / (heads / kv_heads)). Online softmax in float32.
-// Row r of q starts at q + r·q_stride; out is [rows, heads·head_dim].
-void attention(const float* q, int q_stride, const RowDesc* rows, int n_rows, int layer, int layers, int heads,
-               int kv_heads, int head_dim, float scale, __nv_bfloat16* out, cudaStream_t stream);
+// Rows per attention tile: consecutive rows of one sequence at consecutive positions (a prefill
+// chunk) share each key and value read.
+constexpr int kAttnTile = 8;
+
+// For every row of every tile (tiles[i] = {first row, row count ≤ kAttnTile}; the rows of a tile
+// belong to one sequence, at consecutive positions): out[r][head] = softmax(q·kᵀ·scale)·v over
+// positions [0, position_r] of the row's cache at `layer`, grouped-query (head → kv head
+// head / (heads / kv_heads)). Online softmax in float32. Row r of q starts at q + r·q_stride; out is
+// [rows, heads·head_dim]. max_tile: the largest tile's row count. head_dim: a multiple of 8, ≤ 256.
+void attention(const float* q, int q_stride, const RowDesc* rows, const int2* tiles, int n_tiles, int max_tile,
+               int layer, int layers, int heads, int kv_heads, int head_dim, float scale, __nv_bfloat16* out,
+               cudaStream_t stream);
 
 // out[r][i] = bf16(silu(gate[r·stride + i]) ⊙ up[r·stride + i]) for i < n; out is [rows, n].
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,
