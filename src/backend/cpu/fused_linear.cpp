@@ -108,7 +108,6 @@ struct TileRows {
   const float* x[NR];
   float* y[NR];
   const DeltaRef* d[NR];  // kDelta tiles: every row has a delta
-  size_t N = 0;           // output rows of the weight (prefetches stay inside it)
 };
 
 // 8 weights (k .. k+7) of the NO output rows for the NR batch rows of a tile.
@@ -154,7 +153,6 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_step(
 template <DType T, size_t NR, size_t NO, bool kDelta>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_block_avx2(
     const std::byte* wdata, size_t K, const TileRows<NR>& rows, size_t n) {
-  const bool next_tile = n + 2 * NO <= rows.N;  // the next tile's rows exist: prefetch them
   constexpr size_t esize = T == DType::F32 ? 4 : 2;
   const size_t row_bytes = (K + 7) / 8, K8 = K / 8 * 8;
   const auto* table = neg_table().data();
@@ -171,29 +169,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_block_a
         srow[r][o] = rows.d[r]->signs + (n + o) * row_bytes;
       }
     }
-  // The sign rows advance 16× slower than the weight rows, too slowly for the hardware prefetcher
-  // to run ahead of them: fetch the next tile's sign rows now (a tile takes microseconds).
-  if constexpr (kDelta)
-    if (next_tile)
-      for (size_t r = 0; r < NR; ++r)
-        for (size_t o = 0; o < NO; ++o)
-          for (size_t b = 0; b < row_bytes; b += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(srow[r][o] + NO * row_bytes + b),
-                         _MM_HINT_T0);
-  // 64 bytes of each weight row per turn; the same bytes of the next tile's rows are prefetched
-  // (measured: the base GEMV ~10% faster than with the hardware prefetcher alone).
-  constexpr size_t kLine = 64 / esize;
-  const size_t K64 = K / kLine * kLine;
-  size_t k = 0;
-  if (next_tile) {
-    for (; k < K64; k += kLine) {
-      for (size_t o = 0; o < NO; ++o)
-        _mm_prefetch(reinterpret_cast<const char*>(wrow[o] + (NO * K + k) * esize), _MM_HINT_T0);
-      for (size_t j = 0; j < kLine; j += 8)
-        tile_step<T, NR, NO, kDelta>(wrow, rows, srow, alpha, table, pm, acc, k + j);
-    }
-  }
-  for (; k < K8; k += 8) tile_step<T, NR, NO, kDelta>(wrow, rows, srow, alpha, table, pm, acc, k);
+  for (size_t k = 0; k < K8; k += 8)
+    tile_step<T, NR, NO, kDelta>(wrow, rows, srow, alpha, table, pm, acc, k);
   for (size_t o = 0; o < NO; ++o) {
     float tail[8] = {};
     if (K8 < K) to_f32(T, wrow[o] + K8 * esize, tail, K - K8);
@@ -213,6 +190,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_block_a
 }
 
 // Output rows [n0, n1) for NR batch rows: NO output rows at a time, then the rest one by one.
+// Not inlined: with every shape inlined into one function the 8-row base tile ran at half speed.
 template <DType T, size_t NR, size_t NO, bool kDelta>
 __attribute__((target("avx2,fma,f16c"), noinline)) void tile_avx2(const std::byte* wdata, size_t K,
                                                                   const TileRows<NR>& rows,
@@ -230,7 +208,6 @@ __attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const std::byte* wd
                                                              const size_t* idx, size_t nr,
                                                              size_t b0, size_t b1) {
   TileRows<kTile> t{};
-  t.N = N;
   for (size_t i = 0; i < nr; ++i) {
     t.x[i] = x + idx[i] * K;
     t.y[i] = y + idx[i] * N;
@@ -238,7 +215,6 @@ __attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const std::byte* wd
   }
   const auto sub = [&]<size_t NR>() {
     TileRows<NR> s;
-    s.N = N;
     for (size_t i = 0; i < NR; ++i) s.x[i] = t.x[i], s.y[i] = t.y[i], s.d[i] = t.d[i];
     return s;
   };
