@@ -266,9 +266,14 @@ void grouped_linear(const std::vector<const TensorView*>& weight, const std::vec
                     std::vector<float>& y, size_t N, ThreadPool& pool) {
   const size_t rows = weight.size();
   y.resize(rows * N);
+  // Biases match by value: each variant holds its own copy of the base's (usually empty) vectors.
+  auto same_bias = [](const std::vector<float>* a, const std::vector<float>* b) {
+    const bool ea = !a || a->empty(), eb = !b || b->empty();
+    return (ea && eb) || (!ea && !eb && (a == b || *a == *b));
+  };
   bool uniform = true;
   for (size_t r = 1; r < rows; ++r)
-    uniform = uniform && weight[r]->data.data() == weight[0]->data.data() && bias[r] == bias[0];
+    uniform = uniform && weight[r]->data.data() == weight[0]->data.data() && same_bias(bias[r], bias[0]);
   if (uniform) {
     cpu::fused_linear(*weight[0], x, rows, deltas, bias[0] && !bias[0]->empty() ? bias[0]->data() : nullptr, y, pool);
     return;
@@ -278,7 +283,7 @@ void grouped_linear(const std::vector<const TensorView*>& weight, const std::vec
     if (done[r0]) continue;
     std::vector<size_t> group;
     for (size_t r = r0; r < rows; ++r)
-      if (!done[r] && weight[r]->data.data() == weight[r0]->data.data() && bias[r] == bias[r0]) {
+      if (!done[r] && weight[r]->data.data() == weight[r0]->data.data() && same_bias(bias[r], bias[r0])) {
         group.push_back(r);
         done[r] = true;
       }
