@@ -608,7 +608,8 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   for (auto& [slot, n] : need) {
     auto& kv = *slot;
     if (kv && kv->capacity >= n) continue;
-    const size_t cap = std::max<size_t>({n, kv ? 2 * kv->capacity : 0, 16});
+    // Doubling, but never past the model's context length (a sequence cannot grow beyond it).
+    const size_t cap = std::max(n, std::min<size_t>(std::max<size_t>(kv ? 2 * kv->capacity : 0, 16), c.max_position));
     auto fresh = std::make_shared<DeviceKV>();
     fresh->ctx = m.ctx;
     fresh->data = static_cast<bf16*>(device_alloc(cap * per_pos, m.ctx->stream, "a sequence's KV cache"));

@@ -7,8 +7,8 @@
 // Numerics, against the CPU backend (float32 throughout): linear layers take bf16 activations (the
 // input of every linear is rounded to bf16, ≤ 2⁻⁹ relative) and accumulate in float32 on the tensor
 // cores; the KV cache holds bf16; norms, RoPE, softmax and the residual stream stay float32. Weights
-// that are not bf16 are converted to bf16 on upload. Prefill rows of one variant use W_eff rounded to
-// bf16 per chunk (bench/cuda/NOTES.md).
+// that are not bf16 are converted to bf16 on upload. When a step has 48 or more rows of one variant
+// (a prefill), they run on W_eff rounded to bf16 chunk by chunk (bench/cuda/NOTES.md).
 #pragma once
 
 #include <cstddef>
