@@ -134,8 +134,8 @@ int main(int argc, char** argv) {
     else if (k == "--requests") requests = v;
   }
   json out;
+  std::vector<fs::path> deltas;  // DIR/deltas/v0.bitdelta, v1, ... in numeric order
   try {
-    std::vector<fs::path> deltas;
     for (const auto& e : fs::directory_iterator(dir / "deltas")) deltas.push_back(e.path());
     std::sort(deltas.begin(), deltas.end(), [](const fs::path& a, const fs::path& b) {
       return std::stoi(a.stem().string().substr(1)) < std::stoi(b.stem().string().substr(1));
@@ -176,19 +176,20 @@ int main(int argc, char** argv) {
       auto delta = std::make_shared<const DeltaFile>(cold);
       auto p1 = model.prepare_variant("cold", delta);
       const double total = secs(t0, Clock::now());
-      const double bytes = double(p1->device_bytes);
+      const double bytes = double(p1->upload.bytes);
       auto t1 = Clock::now();
       auto p2 = model.prepare_variant("cold2", delta);
       const double again = secs(t1, Clock::now());
-      std::printf("\ncold load of %s: %.0f MB on the device in %.3f s (sequential read %.3f s, open + validate %.3f s, "
+      std::printf("\ncold load of %s: %.0f MB on the device in %.3f s (prefetch request %.3f s, open + validate %.3f s, "
                   "-> pinned %.3f s, pinned -> device %.3f s = %.1f GB/s)\n",
                   cold.filename().c_str(), bytes / 1e6, total, prefetch_s,
-                  total - prefetch_s - p1->read_s - p1->copy_s, p1->read_s, p1->copy_s, bytes / p1->copy_s / 1e9);
+                  total - prefetch_s - p1->upload.read_s - p1->upload.copy_s, p1->upload.read_s, p1->upload.copy_s,
+                  bytes / p1->upload.copy_s / 1e9);
       std::printf("  floor: disk %.3f s + host->device %.3f s; reload from the pinned host tier: %.3f s (hit: %s)\n",
-                  bytes / disk, bytes / h2d, again, p2->host_hit ? "yes" : "no");
-      out["cold_load"] = {{"bytes", bytes},       {"total_s", total}, {"prefetch_s", prefetch_s}, {"read_s", p1->read_s},
-                          {"copy_s", p1->copy_s}, {"disk_floor_s", bytes / disk}, {"h2d_floor_s", bytes / h2d},
-                          {"host_tier_reload_s", again}, {"host_hit", p2->host_hit}};
+                  bytes / disk, bytes / h2d, again, p2->upload.host_hit ? "yes" : "no");
+      out["cold_load"] = {{"bytes", bytes},       {"total_s", total}, {"prefetch_s", prefetch_s}, {"read_s", p1->upload.read_s},
+                          {"copy_s", p1->upload.copy_s}, {"disk_floor_s", bytes / disk}, {"h2d_floor_s", bytes / h2d},
+                          {"host_tier_reload_s", again}, {"host_hit", p2->upload.host_hit}};
     }
 
     // 3. Every variant resident.
@@ -284,9 +285,6 @@ int main(int argc, char** argv) {
 
   // 5. TTFT through the engine (the Model above is gone: one base on the device).
   try {
-    std::vector<fs::path> deltas;
-    for (const auto& e : fs::directory_iterator(dir / "deltas")) deltas.push_back(e.path());
-    std::sort(deltas.begin(), deltas.end());
     EngineOptions eo;
     eo.device = "cuda";
     eo.threads = 8;
@@ -305,6 +303,7 @@ int main(int argc, char** argv) {
     std::printf("\n%-10s %10s %10s   (TTFT of %zu-token prompts, %zu requests each, one at a time)\n", "model", "p50",
                 "p99", prompt, requests);
     json ttft = json::array();
+    std::map<std::string, std::vector<double>> samples;
     const auto vocab = engine.config().vocab_size;
     for (size_t round = 0; round <= requests; ++round)
       for (const auto& name : names) {
@@ -322,7 +321,6 @@ int main(int argc, char** argv) {
         engine.submit(req, cb);
         const double t = done.get_future().get();
         if (round == 0) continue;  // warm-up
-        static std::map<std::string, std::vector<double>> samples;
         samples[name].push_back(t);
         if (round == requests) {
           const auto& s = samples[name];

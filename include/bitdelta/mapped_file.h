@@ -7,10 +7,11 @@
 
 namespace bitdelta {
 
-// Reads a file once, front to back in large chunks, so that its pages are in the page cache before
-// it is mapped: on a cold file that runs at the disk's sequential speed, where faulting the pages of a
-// mapping in a scattered order runs at a fraction of it. Returns the bytes read; throws Error.
-size_t prefetch_file(const std::filesystem::path& path);
+// Asks the kernel to read a whole file into the page cache, front to back, before it is mapped:
+// on a cold file that runs at the disk's sequential speed, where faulting the pages of a mapping in
+// a scattered order (validating each α) runs at a fraction of it; on a cached file it costs nothing
+// (no copy). Returns at once; later page faults wait for the reads. Throws Error if it cannot open.
+void prefetch_file(const std::filesystem::path& path);
 
 class MappedFile {
  public:

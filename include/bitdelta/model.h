@@ -66,17 +66,25 @@ struct ModelOptions {
   int cuda_device = 0;                             // CUDA device ordinal
   uint64_t host_cache_bytes = uint64_t(16) << 30;  // CUDA: pinned host copies of deltas kept for reloads
 };
-// Parses "cpu", "cuda" or "cuda:N" into options.device / cuda_device; throws Error otherwise.
-void parse_device(const std::string& text, ModelOptions& options);
+// The options for `--device TEXT` ("cpu", "cuda" or "cuda:N"); throws Error naming TEXT otherwise.
+ModelOptions model_options(const std::string& device, size_t threads = 0,
+                           uint64_t host_cache_bytes = ModelOptions{}.host_cache_bytes);
+
+// What a variant's upload to a device did: its bytes there, whether the pinned host copy was
+// cached (no file read), and the time to build that copy (plan, pin, read the file: 0 work on a
+// hit) and to copy it to the device.
+struct UploadStats {
+  uint64_t bytes = 0;
+  bool host_hit = false;
+  double read_s = 0, copy_s = 0;
+};
 
 // A variant made ready off the engine thread (prepare_variant): its weights resolved against the
 // base and, on a device, its tensors uploaded. install_variant then makes it usable at once.
 struct PreparedVariant {
   std::unique_ptr<VariantWeights> weights;
   std::shared_ptr<cuda::DeviceVariant> device;
-  uint64_t device_bytes = 0;
-  bool host_hit = false;            // the pinned host copy was cached (no file read)
-  double read_s = 0, copy_s = 0;    // file → pinned host memory, host → device
+  UploadStats upload;  // on a device
 };
 
 struct ForwardRow {

@@ -24,12 +24,6 @@ inline void add_device_option(CLI::App* cmd, std::string& device) {
   cmd->add_option("--device", device, "cpu, cuda or cuda:N")->capture_default_str();
 }
 
-inline ModelOptions model_options(const std::string& device, size_t threads) {
-  ModelOptions o;
-  o.threads = threads;
-  parse_device(device, o);
-  return o;
-}
 
 inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
   cmd->add_option("BASE", a.base, "Base checkpoint directory")->required();

@@ -8,31 +8,16 @@
 #include <cerrno>
 #include <cstring>
 #include <utility>
-#include <vector>
 
 #include "bitdelta/error.h"
 
 namespace bitdelta {
 
-size_t prefetch_file(const std::filesystem::path& path) {
+void prefetch_file(const std::filesystem::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(path.string(), ": cannot open: ", std::strerror(errno));
-  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-  std::vector<std::byte> buf(size_t(8) << 20);
-  size_t total = 0;
-  for (;;) {
-    const ssize_t got = ::read(fd, buf.data(), buf.size());
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) {
-      const int err = errno;
-      ::close(fd);
-      fail(path.string(), ": read failed: ", std::strerror(err));
-    }
-    if (got == 0) break;
-    total += size_t(got);
-  }
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
   ::close(fd);
-  return total;
 }
 
 MappedFile::MappedFile(const std::filesystem::path& path) : path_(path) {

@@ -97,14 +97,6 @@ struct VariantEntry {
   bool load_requested = false;                        // load without a request (serve --variant at start)
 };
 
-static ModelOptions model_options(const EngineOptions& o) {
-  ModelOptions m;
-  m.threads = o.threads;
-  m.host_cache_bytes = o.host_cache_bytes;
-  parse_device(o.device, m);
-  return m;
-}
-
 struct Engine::Impl {
   EngineOptions opt;
   fs::path base_dir;
@@ -131,7 +123,7 @@ struct Engine::Impl {
   std::vector<Loader> loaders;  // engine thread only: started in start_load, joined once done
 
   Impl(const fs::path& dir, EngineOptions o)
-      : opt(std::move(o)), base_dir(dir), model(dir, model_options(opt)), tokenizer(dir) {
+      : opt(std::move(o)), base_dir(dir), model(dir, model_options(opt.device, opt.threads, opt.host_cache_bytes)), tokenizer(dir) {
     if (opt.max_batch_tokens < 1 || opt.max_running < 1) fail("max_batch_tokens and max_running must be at least 1");
     m.cache_budget_bytes = opt.delta_cache_bytes;
     per_variant[opt.base_name].name = opt.base_name;
@@ -208,8 +200,8 @@ struct Engine::Impl {
     loader.thread = std::thread([this, path, name = v.name, done = loader.done,
                                  promise = std::move(promise)]() mutable {
       try {
-        // One sequential pass first: opening the file then faults only cached pages (a cold file
-        // read through its mapping runs at a fraction of the disk's speed).
+        // Ask for the whole file in one sequential pass first: validating it through its mapping
+        // would fault a cold file's pages in scattered order (free when the file is cached).
         if (fs::exists(path)) prefetch_file(path);
         auto delta = std::make_shared<const DeltaFile>(path);
         // On the CPU, bring every page into memory now, so the first step that uses it does not
@@ -244,7 +236,7 @@ struct Engine::Impl {
       m.cache_load_seconds += seconds(Clock::now() - v.load_start);
       try {
         auto prepared = v.load.get();
-        if (prepared->host_hit) ++m.cache_host_hits;
+        if (prepared->upload.host_hit) ++m.cache_host_hits;
         v.model_id = model.install_variant(std::move(prepared));
         v.state = "resident";
         v.last_error.clear();

@@ -89,23 +89,22 @@ std::vector<WeightSpec> weight_table(const ModelConfig& c) {
   return t;
 }
 
-void parse_device(const std::string& text, ModelOptions& options) {
-  if (text == "cpu") {
-    options.device = Device::Cpu;
-    return;
-  }
-  if (text == "cuda" || text.rfind("cuda:", 0) == 0) {
-    options.device = Device::Cuda;
-    options.cuda_device = 0;
-    if (text.size() > 5) {
-      const std::string n = text.substr(5);
+ModelOptions model_options(const std::string& device, size_t threads, uint64_t host_cache_bytes) {
+  ModelOptions o;
+  o.threads = threads;
+  o.host_cache_bytes = host_cache_bytes;
+  if (device == "cpu") return o;
+  if (device == "cuda" || device.rfind("cuda:", 0) == 0) {
+    o.device = Device::Cuda;
+    if (device.size() > 5) {
+      const std::string n = device.substr(5);
       if (n.empty() || n.find_first_not_of("0123456789") != std::string::npos || n.size() > 3)
-        fail("--device: '", text, "' is not cpu, cuda or cuda:N");
-      options.cuda_device = std::stoi(n);
+        fail("--device: '", device, "' is not cpu, cuda or cuda:N");
+      o.cuda_device = std::stoi(n);
     }
-    return;
+    return o;
   }
-  fail("--device: '", text, "' is not cpu, cuda or cuda:N");
+  fail("--device: '", device, "' is not cpu, cuda or cuda:N");
 }
 
 Model::Model(const fs::path& dir, size_t threads) : Model(dir, ModelOptions{.threads = threads}) {}
@@ -217,14 +216,7 @@ std::unique_ptr<PreparedVariant> Model::prepare_variant(const std::string& name,
     if (std::none_of(table.begin(), table.end(), [&](const WeightSpec& s) { return s.name == c.name; }))
       fail(delta->path().string(), ": tensor '", c.name, "' is not a weight of this model");
   auto prepared = std::make_unique<PreparedVariant>();
-  if (device_) {
-    cuda::UploadStats stats;
-    prepared->device = device_->upload(*v, *delta, &stats);
-    prepared->device_bytes = stats.bytes;
-    prepared->host_hit = stats.host_hit;
-    prepared->read_s = stats.read_s;
-    prepared->copy_s = stats.copy_s;
-  }
+  if (device_) prepared->device = device_->upload(*v, *delta, &prepared->upload);
   prepared->weights = std::move(v);
   return prepared;
 }

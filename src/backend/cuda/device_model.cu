@@ -53,7 +53,7 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 struct Context {
   int device = 0;
   cudaStream_t stream = nullptr;
-  std::atomic<uint64_t> variant_bytes{0}, kv_bytes{0}, scratch_bytes{0}, pinned_bytes{0};
+  std::atomic<uint64_t> variant_bytes{0};  // the base's and every uploaded variant's device buffers
   ~Context() {
     if (stream) {
       cudaStreamSynchronize(stream);
@@ -81,18 +81,13 @@ struct PinnedPack {
   PinnedPack& operator=(const PinnedPack&) = delete;
   void* host = nullptr;
   size_t bytes = 0;
-  std::shared_ptr<Context> ctx;
-  PinnedPack(size_t n, std::shared_ptr<Context> c) : bytes(n), ctx(std::move(c)) {
+  explicit PinnedPack(size_t n) : bytes(n) {
     if (cudaHostAlloc(&host, std::max<size_t>(n, 1), cudaHostAllocDefault) != cudaSuccess) {
       cudaGetLastError();
       fail("cannot pin ", n >> 20, " MiB of host memory for a delta");
     }
-    ctx->pinned_bytes += bytes;
   }
-  ~PinnedPack() {
-    cudaFreeHost(host);
-    ctx->pinned_bytes -= bytes;
-  }
+  ~PinnedPack() { cudaFreeHost(host); }
 };
 
 // The host tier: pinned copies of recently loaded deltas under a byte budget, least recently used
@@ -174,12 +169,8 @@ class DeviceKV {
   std::shared_ptr<Context> ctx;
   bf16* data = nullptr;
   size_t capacity = 0;  // positions
-  size_t bytes = 0;
   ~DeviceKV() {
-    if (data) {
-      cudaFreeAsync(data, ctx->stream);
-      ctx->kv_bytes -= bytes;
-    }
+    if (data) cudaFreeAsync(data, ctx->stream);
   }
 };
 
@@ -207,13 +198,15 @@ void fill(const Item& it, void* dst) {
   from_f32(it.dst_dtype, tmp.data(), static_cast<std::byte*>(dst), it.count);
 }
 
+// Linears that read the same input, laid out back to back (weights, then signs, then α) so that
+// one launch can run each group of several as one matrix: q|k|v and gate|up (DeviceVariant::fused).
+constexpr int kGroups[4][3] = {{kQ, kK, kV}, {kO, -1, -1}, {kGate, kUp, -1}, {kDown, -1, -1}};
+constexpr int kFusedGroups[2] = {0, 2};  // indices into kGroups
+
 // The items of a variant, in a fixed order (so a cached pinned pack of the same file lines up):
 // every tensor that differs from the base's (all of them for the base itself), its signs and α,
 // then its norms and biases as float32 blocks (built into norms/bias). Shared tensors point at the
 // base's device copy. Returns the total device bytes.
-// Linears that read the same input, laid out back to back (weights, then signs, then α) so that
-// one launch can run each group as one matrix.
-constexpr int kGroups[4][3] = {{kQ, kK, kV}, {kO, -1, -1}, {kGate, kUp, -1}, {kDown, -1, -1}};
 
 size_t plan(const ModelConfig& c, const VariantWeights& v, const VariantWeights* base, const DeviceVariant* base_dev,
             DeviceVariant& dv, std::vector<float>& norms, std::vector<float>& bias, std::deque<std::vector<float>>& alphas,
@@ -292,28 +285,25 @@ size_t plan(const ModelConfig& c, const VariantWeights& v, const VariantWeights*
 }
 
 // Points the variant's slots into its device buffer, then finds the groups that can run fused: the
-// parts' weights back to back and, with a delta, their signs and α too.
-void bind_slots(DeviceVariant& dv, const std::vector<Item>& items, const ModelConfig& c) {
+// parts' weights back to back and, with a delta, their signs and α too (v: the variant's shapes).
+void bind_slots(DeviceVariant& dv, const std::vector<Item>& items, const VariantWeights& v, bool tied) {
   for (const auto& it : items) *it.slot = static_cast<const std::byte*>(dv.buffer) + it.offset;
-  if (c.tie_embeddings) dv.lm_head = dv.embed;
-  const size_t K = c.hidden, rows[kLinearCount] = {c.heads * c.head_dim, c.kv_heads * c.head_dim,
-                                                   c.kv_heads * c.head_dim, c.hidden, c.intermediate,
-                                                   c.intermediate, c.hidden};
+  if (tied) dv.lm_head = dv.embed;
   dv.fused.assign(dv.layers.size(), {});
   for (size_t l = 0; l < dv.layers.size(); ++l) {
     const auto& L = dv.layers[l];
-    const int groups[2][3] = {{kQ, kK, kV}, {kGate, kUp, -1}};
-    for (int g = 0; g < 2; ++g) {
+    for (size_t f = 0; f < 2; ++f) {
+      const int* group = kGroups[kFusedGroups[f]];
+      const bool with_delta = L[size_t(group[0])].delta.signs != nullptr;
       bool ok = true;
-      const bool with_delta = L[size_t(groups[g][0])].delta.signs != nullptr;
-      for (int i = 1; i < 3 && groups[g][i] >= 0; ++i) {
-        const auto &a = L[size_t(groups[g][i - 1])], &b = L[size_t(groups[g][i])];
-        const size_t n = rows[groups[g][i - 1]];
-        ok = ok && b.w == a.w + n * K && (b.delta.signs != nullptr) == with_delta;
+      for (int i = 1; i < 3 && group[i] >= 0; ++i) {
+        const auto &a = L[size_t(group[i - 1])], &b = L[size_t(group[i])];
+        const Shape& s = v.layers[l].linear[size_t(group[i - 1])].shape;  // [N, K] of part i − 1
+        ok = ok && b.w == a.w + s[0] * s[1] && (b.delta.signs != nullptr) == with_delta;
         if (with_delta)
-          ok = ok && b.delta.signs == a.delta.signs + n * ((K + 7) / 8) && b.delta.alpha == a.delta.alpha + n;
+          ok = ok && b.delta.signs == a.delta.signs + s[0] * ((s[1] + 7) / 8) && b.delta.alpha == a.delta.alpha + s[0];
       }
-      if (ok) dv.fused[l][size_t(g)] = L[size_t(groups[g][0])];
+      if (ok) dv.fused[l][f] = L[size_t(group[0])];
     }
   }
 }
@@ -322,7 +312,6 @@ void bind_slots(DeviceVariant& dv, const std::vector<Item>& items, const ModelCo
 
 struct DeviceModel::Impl {
   ModelConfig c;
-  DeviceOptions opt;
   std::shared_ptr<Context> ctx = std::make_shared<Context>();
   std::vector<std::shared_ptr<DeviceVariant>> variants;  // by model id; [0] the base
   const VariantWeights* base_cpu = nullptr;  // the CPU model's base (shared tensors are its views)
@@ -347,7 +336,7 @@ struct DeviceModel::Impl {
   float* host_logits = nullptr;
   size_t host_logits_elems = 0;
 
-  Impl(const ModelConfig& config, const DeviceOptions& o) : c(config), opt(o), host_tier(o.host_cache_bytes) {}
+  Impl(const ModelConfig& config, const DeviceOptions& o) : c(config), host_tier(o.host_cache_bytes) {}
   ~Impl() {
     if (ctx->stream) cudaStreamSynchronize(ctx->stream);
     variants.clear();
@@ -368,12 +357,8 @@ struct DeviceModel::Impl {
                             R * qd * 2, R * I * 2,  R * sizeof(RowDesc), R * 4, R * sizeof(int2)};
     size_t total = 0;
     for (size_t s : sizes) total += align_up(s);
-    if (scratch) {
-      cudaFreeAsync(scratch, ctx->stream);
-      ctx->scratch_bytes -= ctx->scratch_bytes.load();
-    }
+    if (scratch) cudaFreeAsync(scratch, ctx->stream);
     scratch = static_cast<std::byte*>(device_alloc(total, ctx->stream, "step activations"));
-    ctx->scratch_bytes += total + 2 * kPrefillScratch * 2;
     std::byte* p = scratch;
     auto take = [&](size_t s) {
       std::byte* r = p;
@@ -491,7 +476,7 @@ DeviceModel::DeviceModel(const ModelConfig& config, const VariantWeights& base, 
     }
   }
   BITDELTA_CUDA_CHECK(cudaStreamSynchronize(m.ctx->stream));
-  bind_slots(*dv, items, config);
+  bind_slots(*dv, items, base, config.tie_embeddings);
   m.variants.push_back(dv);
   m.base_cpu = &base;
   m.base_dev = dv.get();
@@ -518,7 +503,7 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
   std::shared_ptr<PinnedPack> pack = key.empty() ? nullptr : m.host_tier.get(key);
   const bool hit = pack && pack->bytes == dv->bytes;
   if (!hit) {
-    pack = std::make_shared<PinnedPack>(dv->bytes, m.ctx);
+    pack = std::make_shared<PinnedPack>(dv->bytes);
     for (const auto& it : items) fill(it, static_cast<std::byte*>(pack->host) + it.offset);
   }
   const auto t1 = Clock::now();
@@ -537,7 +522,7 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
   }
   cudaStreamDestroy(s);
   m.ctx->variant_bytes += dv->bytes;
-  bind_slots(*dv, items, m.c);
+  bind_slots(*dv, items, weights, m.c.tie_embeddings);
   if (!hit && !key.empty()) m.host_tier.put(key, pack);
   if (stats) {
     stats->bytes = dv->bytes;
@@ -565,9 +550,6 @@ DeviceMemory DeviceModel::memory() const {
   DeviceMemory m;
   m.base_bytes = impl_->variants[0]->bytes;
   m.variant_bytes = ctx.variant_bytes - m.base_bytes;
-  m.kv_bytes = ctx.kv_bytes;
-  m.scratch_bytes = ctx.scratch_bytes;
-  m.pinned_bytes = ctx.pinned_bytes;
   size_t free_b = 0, total_b = 0;
   if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
     m.device_used = total_b - free_b;
@@ -614,8 +596,6 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
     fresh->ctx = m.ctx;
     fresh->data = static_cast<bf16*>(device_alloc(cap * per_pos, m.ctx->stream, "a sequence's KV cache"));
     fresh->capacity = cap;
-    fresh->bytes = cap * per_pos;
-    m.ctx->kv_bytes += fresh->bytes;
     if (kv)
       BITDELTA_CUDA_CHECK(cudaMemcpyAsync(fresh->data, kv->data, kv->capacity * per_pos, cudaMemcpyDeviceToDevice,
                                           m.ctx->stream));
@@ -659,7 +639,7 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
     for (size_t i = 0; i < R; ++i) lin[i] = &var[i]->layers[size_t(layer)][size_t(kind)];
     m.linear(lin, xin, K, y, N);
   };
-  // q|k|v (group 0) or gate|up (group 1) as one launch when every row's variant has it fused.
+  // q|k|v (fused group 0) or gate|up (1) as one launch when every row's variant has it fused.
   auto fused_linear = [&](int layer, int group, const bf16* xin, int K, float* y, int N) {
     for (size_t i = 0; i < R; ++i) {
       lin[i] = &var[i]->fused[size_t(layer)][size_t(group)];

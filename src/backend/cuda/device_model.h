@@ -18,11 +18,7 @@
 #include <string>
 #include <vector>
 
-namespace bitdelta {
-struct ModelConfig;
-struct VariantWeights;
-class DeltaFile;
-}  // namespace bitdelta
+#include "bitdelta/model.h"
 
 namespace bitdelta::cuda {
 
@@ -47,20 +43,9 @@ struct DeviceRow {
   bool want_logits;
 };
 
-// What one upload did: bytes, whether the pinned host copy was cached, and the time to read the
-// file into pinned memory (0 on a hit) and to copy it to the device.
-struct UploadStats {
-  uint64_t bytes = 0;
-  bool host_hit = false;
-  double read_s = 0, copy_s = 0;
-};
-
 struct DeviceMemory {
   uint64_t base_bytes = 0;      // the base's weights on the device
-  uint64_t variant_bytes = 0;   // all resident variants' delta tensors
-  uint64_t kv_bytes = 0;        // KV caches
-  uint64_t scratch_bytes = 0;   // activations and kernel scratch
-  uint64_t pinned_bytes = 0;    // host tier: pinned copies of deltas
+  uint64_t variant_bytes = 0;   // all uploaded variants' delta tensors
   uint64_t device_used = 0, device_total = 0;  // cudaMemGetInfo
 };
 
