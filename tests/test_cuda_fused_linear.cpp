@@ -4,8 +4,8 @@
 // bitdelta::cpu::fused_linear_reference, which sees the same bf16-rounded x and W.
 // Bounds, as ‖y − y_ref‖₂ / ‖y_ref‖₂ (y_ref: W_eff in f32, dot in f64):
 //   decode kernel 5e-5: bf16·bf16 products are exact, but the tensor cores' f32 accumulation is not
-//     IEEE-rounded; measured 1.2e-6 when K is split over 8 warps and up to 1.3e-5 at K = 11008 in
-//     one accumulator (k_split = 1),
+//     IEEE-rounded (up to ~1.3e-5 at K = 11008 in one accumulator); the delta term sees x quantized
+//     to 16-bit integers per row (≤ max|x|/65024 per element: ~1e-6 of y here), its sums are exact,
 //   CUDA reference 1e-6,
 //   prefill 4e-3: two-GEMM rounds α⊙S to bf16 (measured ≤ 1.3e-3 at N = 16, ~3e-4 at larger N);
 //     materialize/pipelined round W_eff to bf16 (≤ 2⁻⁹ relative per weight).
@@ -129,16 +129,21 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
   bitdelta::cpu::fused_linear_reference(wv, xf, rows, host_refs, nullptr, ref);
 
   DeviceBuffer<uint16_t> dw(w), dx(x);
-  std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> dsigns;
+  // The CUDA reference reads the file's sign layout; the fast kernels read the packed one.
+  std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> dsigns, dpacked;
   std::vector<std::unique_ptr<DeviceBuffer<float>>> dalpha;
   for (auto& v : vars) {
     dsigns.push_back(std::make_unique<DeviceBuffer<uint8_t>>(v.signs));
+    dpacked.push_back(std::make_unique<DeviceBuffer<uint8_t>>(bcuda::packed_signs_bytes(N, K)));
+    bcuda::pack_signs(dsigns.back()->ptr, N, K, dpacked.back()->ptr, nullptr);
     dalpha.push_back(std::make_unique<DeviceBuffer<float>>(v.alpha));
   }
-  std::vector<DeltaRef> dev_refs(rows);
+  std::vector<DeltaRef> raw_refs(rows), dev_refs(rows);
   for (int r = 0; r < rows; ++r)
-    if (row_variant[r] >= 0)
-      dev_refs[r] = DeltaRef{dsigns[row_variant[r]]->ptr, dalpha[row_variant[r]]->ptr, per_row};
+    if (row_variant[r] >= 0) {
+      raw_refs[r] = DeltaRef{dsigns[row_variant[r]]->ptr, dalpha[row_variant[r]]->ptr, per_row};
+      dev_refs[r] = DeltaRef{dpacked[row_variant[r]]->ptr, dalpha[row_variant[r]]->ptr, per_row};
+    }
   DeviceBuffer<float> dy(size_t(rows) * N);
   const auto* wb = reinterpret_cast<const __nv_bfloat16*>(dw.ptr);
   const auto* xb = reinterpret_cast<const __nv_bfloat16*>(dx.ptr);
@@ -150,7 +155,7 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
 
   if (rows <= 16) {
     poison(dy.ptr, dy.n);
-    bcuda::fused_linear_reference(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr);
+    bcuda::fused_linear_reference(wb, N, K, xb, rows, raw_refs, dy.ptr, nullptr);
     BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
     expect("cuda reference   " + tag, dy.to_host(), ref, 1e-6);
     for (int ks : {0, 1, 2, 4, 8}) {
@@ -159,6 +164,23 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect("decode ks=" + std::to_string(ks) + "      " + tag, dy.to_host(), ref, 5e-5);
     }
+    // Back to back on one stream, no synchronization between: the second call's quantized x must
+    // not be read before its own quantization finished (programmatic dependent launch), nor
+    // overwrite the first call's while that one still reads it.
+    std::vector<uint16_t> x2(x.size());
+    std::vector<float> x2f(x.size()), ref2(ref.size());
+    for (size_t i = 0; i < x2.size(); ++i) x2f[i] = bitdelta::bf16_to_f32(x2[i] = bitdelta::f32_to_bf16(u(rng)));
+    bitdelta::cpu::fused_linear_reference(wv, x2f, rows, host_refs, nullptr, ref2);
+    DeviceBuffer<uint16_t> dx2(x2);
+    DeviceBuffer<float> dy2(dy.n);
+    poison(dy.ptr, dy.n);
+    poison(dy2.ptr, dy2.n);
+    bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr);
+    bcuda::fused_linear_decode(wb, N, K, reinterpret_cast<const __nv_bfloat16*>(dx2.ptr), rows, dev_refs, dy2.ptr,
+                               nullptr);
+    BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+    expect("decode, 2 in a row (1st) " + tag, dy.to_host(), ref, 5e-5);
+    expect("decode, 2 in a row (2nd) " + tag, dy2.to_host(), ref2, 5e-5);
   }
   // Prefill paths: one variant for all rows (the first row's).
   bool one_variant = true;

@@ -108,7 +108,8 @@ void add(Row r) {
 // profile_only: cases (a) and (b) only, few reps (for ncu).
 void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
                  bool profile_only = false) {
-  const size_t wbytes = size_t(N) * K * 2, sbytes = size_t(N) * ((K + 7) / 8);
+  // Signs: random bits in the packed device layout (for random bits the layout changes nothing).
+  const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
   const int nsets = int(std::max<size_t>(2, (240u << 20) / wbytes + 1));  // > 4× L2 per rotation
   const int kVariants = 16, kPrefillRows = 512;
   std::vector<std::unique_ptr<DeviceMem>> w, signs, alpha;
@@ -178,7 +179,6 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     add({shape, "b: roofline", "bytes / copy bandwidth", roof, bytes, 0, ""});
     const double t_cublas = time_us([&](int s) { cublas_rows(16, s); }, reps);
     add({shape, "b: 16 rows base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
-    // 16 slots take all 8 warps of a tile (2 slots each), so k_split is 1 whatever is asked.
     {
       const double t = time_us(
           [&](int s) {
@@ -188,6 +188,17 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           },
           reps);
       add({shape, "b: 16 rows 16 variants", "fused", t, bytes, roof, "x roofline"});
+    }
+    {  // The same 16 rows, all of one variant (a decode batch of one fine-tune).
+      const double bytes1 = double(wbytes) + double(sbytes) + N * 4.0;
+      const double t = time_us(
+          [&](int s) {
+            DeltaRef d[kVariants];
+            for (int v = 0; v < kVariants; ++v) d[v] = delta(s, 0);
+            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr);
+          },
+          reps);
+      add({shape, "b: 16 rows 1 variant", "fused", t, bytes1, t_cublas, "x cuBLAS 16 rows"});
     }
     if (profile_only) return;
   }

@@ -6,7 +6,9 @@
 namespace bitdelta {
 
 struct DeltaRef {
-  const uint8_t* signs = nullptr;  // [N, ceil(K/8)], LSB first; nullptr: no delta
+  // [N, ceil(K/8)], LSB first (the file's layout); the CUDA kernels take the packed layout of
+  // cuda::pack_signs instead. nullptr: no delta.
+  const uint8_t* signs = nullptr;
   const float* alpha = nullptr;    // [N] or [1]; may be unaligned inside a file: read with memcpy
   bool alpha_per_row = true;
 };

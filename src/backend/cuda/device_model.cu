@@ -41,7 +41,8 @@ constexpr size_t kDecodeRows = 16;          // rows per fused decode launch (the
 // (each of which reads the weight again): for the base alone cuBLAS wins from 17 rows; with a delta
 // the GEMM needs W_eff materialized (≈ 3× the weight's bytes), which wins from about 48 rows
 // (7B-shaped decode at batch 32 of one variant: 16.1 ms through two fused launches per linear,
-// 18.2 ms through W_eff + GEMM; the base alone through cuBLAS 8.9 ms; bench/cuda/NOTES.md).
+// 18.2 ms through W_eff + GEMM with kernel v6; with v8, 19.9–20.0 ms fused against 20.1–20.2 ms with
+// the GEMM from 17 rows, interleaved runs; the base alone through cuBLAS 8.9 ms; bench/cuda/NOTES.md).
 constexpr size_t kGemmRowsBase = 17, kGemmRowsDelta = 48;
 size_t gemm_rows(bool with_delta) { return with_delta ? kGemmRowsDelta : kGemmRowsBase; }
 constexpr size_t kPrefillScratch = size_t(16) << 20;  // W_eff chunk elements (×2 buffers, bf16)
@@ -185,6 +186,10 @@ struct Item {
   DType dst_dtype;
   const void** slot;
   size_t offset = 0;
+  int pack_n = 0, pack_k = 0;  // sign bits of an [N, K] delta: packed on the device (pack_signs)
+  size_t device_bytes() const {
+    return pack_n ? packed_signs_bytes(pack_n, pack_k) : count * dtype_size(dst_dtype);
+  }
 };
 
 // Writes one item's device bytes (converted to its device dtype) to dst.
@@ -242,6 +247,8 @@ size_t plan(const ModelConfig& c, const VariantWeights& v, const VariantWeights*
         const Shape& s = v.layers[l].linear[size_t(k)].shape;
         add(d.signs, DType::U8, s[0] * ((s[1] + 7) / 8), DType::U8,
             reinterpret_cast<const void**>(&dv.layers[l][size_t(k)].delta.signs));
+        items.back().pack_n = int(s[0]);
+        items.back().pack_k = int(s[1]);
       }
       for (int k : group) {
         const DeltaRef& d = k < 0 ? DeltaRef{} : v.layers[l].delta[size_t(k)];
@@ -279,7 +286,7 @@ size_t plan(const ModelConfig& c, const VariantWeights& v, const VariantWeights*
   size_t total = 0;
   for (auto& it : items) {
     it.offset = total;
-    total += align_up(it.count * dtype_size(it.dst_dtype));
+    total += align_up(it.device_bytes());
   }
   return total;
 }
@@ -300,12 +307,31 @@ void bind_slots(DeviceVariant& dv, const std::vector<Item>& items, const Variant
         const auto &a = L[size_t(group[i - 1])], &b = L[size_t(group[i])];
         const Shape& s = v.layers[l].linear[size_t(group[i - 1])].shape;  // [N, K] of part i − 1
         ok = ok && b.w == a.w + s[0] * s[1] && (b.delta.signs != nullptr) == with_delta;
+        // Packed signs of parts with whole 16-row groups, back to back, are the packed signs of the group.
         if (with_delta)
-          ok = ok && b.delta.signs == a.delta.signs + s[0] * ((s[1] + 7) / 8) && b.delta.alpha == a.delta.alpha + s[0];
+          ok = ok && s[0] % 16 == 0 && b.delta.signs == a.delta.signs + packed_signs_bytes(int(s[0]), int(s[1])) &&
+               b.delta.alpha == a.delta.alpha + s[0];
       }
       if (ok) dv.fused[l][f] = L[size_t(group[0])];
     }
   }
+}
+
+// The device buffer holds each sign item's file bytes at its offset (as the pinned pack does); this
+// rewrites them in the packed layout the kernels read, through a scratch copy, on `stream`.
+void pack_items(const std::vector<Item>& items, void* buffer, cudaStream_t stream) {
+  size_t most = 0;
+  for (const auto& it : items)
+    if (it.pack_n) most = std::max(most, it.count);
+  if (most == 0) return;
+  auto* scratch = static_cast<uint8_t*>(device_alloc(most, stream, "a delta's sign bits while packing"));
+  for (const auto& it : items) {
+    if (!it.pack_n) continue;
+    auto* at = static_cast<uint8_t*>(buffer) + it.offset;
+    BITDELTA_CUDA_CHECK(cudaMemcpyAsync(scratch, at, it.count, cudaMemcpyDeviceToDevice, stream));
+    pack_signs(scratch, it.pack_n, it.pack_k, at, stream);
+  }
+  BITDELTA_CUDA_CHECK(cudaFreeAsync(scratch, stream));
 }
 
 }  // namespace
@@ -475,6 +501,7 @@ DeviceModel::DeviceModel(const ModelConfig& config, const VariantWeights& base, 
       BITDELTA_CUDA_CHECK(cudaMemcpyAsync(dst, tmp.data(), n, cudaMemcpyHostToDevice, m.ctx->stream));
     }
   }
+  pack_items(items, dv->buffer, m.ctx->stream);
   BITDELTA_CUDA_CHECK(cudaStreamSynchronize(m.ctx->stream));
   bind_slots(*dv, items, base, config.tie_embeddings);
   m.variants.push_back(dv);
@@ -513,6 +540,7 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
   try {
     dv->buffer = device_alloc(dv->bytes, s, "a variant's delta");
     BITDELTA_CUDA_CHECK(cudaMemcpyAsync(dv->buffer, pack->host, dv->bytes, cudaMemcpyHostToDevice, s));
+    pack_items(items, dv->buffer, s);
     BITDELTA_CUDA_CHECK(cudaStreamSynchronize(s));
   } catch (...) {
     if (dv->buffer) cudaFreeAsync(dv->buffer, s), dv->buffer = nullptr;

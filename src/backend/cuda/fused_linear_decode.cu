@@ -2,32 +2,39 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 
 #include "cuda_check.cuh"
 
 namespace bitdelta::cuda {
 namespace {
 
-constexpr int kWarps = 8;     // warps per block
-constexpr int kMaxRows = 16;  // rows of x per launch
-constexpr int kKBlock = 64;   // columns per warp step
+constexpr int kWarps = 8;        // warps per block
+constexpr int kMaxRows = 16;     // rows of x per launch
+constexpr int kKBlock = 64;      // columns per warp step (one packed sign block)
+constexpr int kQMax = 32512;     // |q| bound: the high byte stays within ±127
+constexpr int kMaxChunks = 2048;  // K ≤ 131072
 
-// A slot is one variant's sign bits applied to one group of 8 rows of x (an mma's N dimension).
+// One variant's signs applied to the rows of x in one group of 4 (G): an int8 mma's B columns.
 struct Slot {
-  const uint8_t* signs;
-  const float* alpha;
-  int alpha_per_row;
-  int group;
+  const uint32_t* signs;  // packed layout
+  int G;                  // rows 4G..4G+3 of x
+  uint32_t rows;          // bit i: row 4G + i uses this variant
 };
 
 struct DecodeParams {
   const __nv_bfloat16* w;
   const __nv_bfloat16* x;
+  const uint4* xq;     // [KC][NG][32 lanes]: int8 B fragments of the quantized rows (16 bytes each)
+  const float* xscale;  // [rows]
+  const int* xsum;      // [rows][KC + 1]: prefix sums of q over the 64-column chunks
   float* y;
-  int N, K, rows, k_split, slot_groups, nslots, aligned;
-  // slot_groups · MAXS entries; those past nslots repeat a real one (and are never matched).
+  int N, K, KC, rows, NG, k_split, slot_groups, nslots, aligned;
+  // Warp group g of a tile takes slots [g·MAXS, g·MAXS + MAXS) (those below nslots).
   Slot slots[kMaxRows];
-  int8_t slot_of_row[kMaxRows];  // -1: no delta
+  const float* alpha[kMaxRows];  // per row of x; nullptr: no delta
+  int alpha_per_row[kMaxRows];
 };
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -39,6 +46,28 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                       uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Programmatic dependent launch (sm_90): the decode kernel starts streaming W while the kernel that
+// quantizes x still runs, and waits for it only before its first read of the quantized rows.
+__device__ __forceinline__ void wait_for_prerequisite() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Weights are read once: bypass L1. Not volatile, so the compiler may batch all loads before first
 // use.
 __device__ __forceinline__ uint4 ldg_stream(const void* p) {
@@ -46,6 +75,11 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t ldg_stream32(const void* p) {
+  uint32_t v;
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
   return v;
 }
 
@@ -70,8 +104,8 @@ __device__ __forceinline__ void load_raw(const __nv_bfloat16* row, int k, int K,
   }
 }
 
-// Pairs them: out[j] = (e[j], f[j]). This pairing is the mma's k order for this thread; x and W use
-// the same one, so the dot is unchanged.
+// Pairs them: out[j] = (e[j], f[j]). This pairing is the bf16 mma's k order for this thread; x and W
+// use the same one, so the dot is unchanged.
 __device__ __forceinline__ void make_pairs(const uint4& e, const uint4& f, uint32_t (&out)[8]) {
   const uint32_t ew[4] = {e.x, e.y, e.z, e.w}, fw[4] = {f.x, f.y, f.z, f.w};
 #pragma unroll
@@ -81,35 +115,12 @@ __device__ __forceinline__ void make_pairs(const uint4& e, const uint4& f, uint3
   }
 }
 
-// The 32 sign bits of columns [k0 + 32h, k0 + 32h + 32) of one row (h = t >> 1), moved so that this
-// thread's bits (bytes t&1 and (t&1)+2) sit at bits 8..15 and 24..31.
-__device__ __forceinline__ uint32_t load_sign_word(const uint8_t* row, int byte, int row_bytes,
-                                                   bool aligned, int t) {
-  uint32_t w;
-  if (aligned) {
-    w = __ldg(reinterpret_cast<const uint32_t*>(row + byte));
-  } else {
-    w = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (byte + i < row_bytes) w |= uint32_t(row[byte + i]) << (8 * i);
-  }
-  return (t & 1) ? w : w << 8;
-}
-
-// Pair j of the thread's 16 columns as ±1 bf16: bit 8+j → sign of the low half, bit 24+j → high
-// half.
-template <int j>
-__device__ __forceinline__ uint32_t sign_pair(uint32_t w) {
-  return 0xBF80BF80u ^ ((w << (7 - j)) & 0x80008000u);
-}
-
 // Warps of one 16-row tile split its work along K (k_split) and across slots (slot_groups of MAXS
-// slots each; the first group also does the base); their partial sums meet in shared memory.
+// slots each; the first group also does the base); their partial results meet in shared memory.
 template <int RG, int MAXS>
 __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodeParams p) {
   constexpr int kUnroll = 2;
-  __shared__ float partial[kWarps][RG * 4][32];
+  __shared__ float ytile[kWarps][kMaxRows][16];  // per warp: [row of x][row of the tile]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane >> 2, t = lane & 3;
   const int warps_per_tile = p.k_split * p.slot_groups, tiles_per_block = kWarps / warps_per_tile;
   // Warps left over when warps_per_tile does not divide kWarps get no tile (n0 = N).
@@ -119,6 +130,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   const int in_tile = warp % warps_per_tile, kpart = in_tile % p.k_split,
             sgroup = in_tile / p.k_split;
   const Slot* slots = p.slots + sgroup * MAXS;
+  const int nmine = min(MAXS, p.nslots - sgroup * MAXS);
   const bool do_base = sgroup == 0;
   const int K = p.K, N = p.N;
   const int nA = min(n0 + gid, N - 1), nB = min(n0 + gid + 8, N - 1);
@@ -127,21 +139,30 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   const __nv_bfloat16* xrow[RG];
 #pragma unroll
   for (int g = 0; g < RG; ++g) xrow[g] = p.x + size_t(min(g * 8 + gid, p.rows - 1)) * K;
-  const int row_bytes = (K + 7) / 8;
   const int ci = (t & 1) + 4 * (t >> 1);  // this thread's 8-column chunks: ci and ci + 2 of each 64
   const bool aligned = p.aligned;
+  // Per slot: this lane's packed sign word of block kb is signs[kb·32] (the tile's row group), its
+  // int8 B fragment xq[kb·NG·32].
+  const uint32_t* sgn[MAXS > 0 ? MAXS : 1];
+  const uint4* xqf[MAXS > 0 ? MAXS : 1];
+#pragma unroll
+  for (int s = 0; s < MAXS; ++s) {
+    const Slot& sl = slots[s < nmine ? s : 0];
+    sgn[s] = sl.signs + size_t(min(n0, N - 1) / 16) * p.KC * 32 + lane;
+    xqf[s] = p.xq + sl.G * 32 + lane;
+  }
 
   float acc[RG][4] = {};
-  float sacc[MAXS > 0 ? MAXS : 1][4] = {};
+  int sacc[MAXS > 0 ? MAXS : 1][4] = {};
   // Each warp walks a contiguous range of 64-column blocks, kUnroll blocks per batch: all loads of
-  // a batch are issued before the first is used (bytes in flight), and consecutive sign words of a
-  // row share their L1 line.
-  const int nkb = (K + kKBlock - 1) / kKBlock;
+  // a batch are issued before the first is used (bytes in flight).
+  const int nkb = p.KC;
   const int kb_begin = nkb * kpart / p.k_split, kb_end = nkb * (kpart + 1) / p.k_split;
   if (n0 < N) {
     for (int kb = kb_begin; kb < kb_end; kb += kUnroll) {
       uint4 we[kUnroll][2], wf[kUnroll][2], xe[kUnroll][RG], xf[kUnroll][RG];
-      uint32_t sw[kUnroll][MAXS > 0 ? MAXS : 1][2];
+      uint32_t sw[kUnroll][MAXS > 0 ? MAXS : 1];
+      uint4 qb[kUnroll][MAXS > 0 ? MAXS : 1];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int kbu = min(kb + u, kb_end - 1);
@@ -149,24 +170,24 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
         if (do_base) {
           load_raw<true>(wA, k, K, aligned, we[u][0], wf[u][0]);
           load_raw<true>(wB, k, K, aligned, we[u][1], wf[u][1]);
+#pragma unroll
+          for (int g = 0; g < RG; ++g) load_raw<false>(xrow[g], k, K, aligned, xe[u][g], xf[u][g]);
         }
 #pragma unroll
-        for (int g = 0; g < RG; ++g) load_raw<false>(xrow[g], k, K, aligned, xe[u][g], xf[u][g]);
-        const int byte = kbu * (kKBlock / 8) + 4 * (t >> 1);
-#pragma unroll
         for (int s = 0; s < MAXS; ++s) {
-          const uint8_t* sg = slots[s].signs;
-          sw[u][s][0] = load_sign_word(sg + size_t(nA) * row_bytes, byte, row_bytes, aligned, t);
-          sw[u][s][1] = load_sign_word(sg + size_t(nB) * row_bytes, byte, row_bytes, aligned, t);
+          if (s >= nmine) break;
+          sw[u][s] = ldg_stream32(sgn[s] + size_t(kbu) * 32);
+          if (kb == kb_begin && u == 0 && s == 0) wait_for_prerequisite();
+          qb[u][s] = __ldcg(xqf[s] + size_t(kbu) * p.NG * 32);  // not .nc: written by the prerequisite
         }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (u > 0 && kb + u >= kb_end) break;
-        uint32_t wa[8], wb[8], xb[RG][8];
-#pragma unroll
-        for (int g = 0; g < RG; ++g) make_pairs(xe[u][g], xf[u][g], xb[g]);
         if (do_base) {
+          uint32_t wa[8], wb[8], xb[RG][8];
+#pragma unroll
+          for (int g = 0; g < RG; ++g) make_pairs(xe[u][g], xf[u][g], xb[g]);
           make_pairs(we[u][0], wf[u][0], wa);
           make_pairs(we[u][1], wf[u][1], wb);
 #pragma unroll
@@ -177,111 +198,227 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
                        xb[g][2 * st], xb[g][2 * st + 1]);
           }
         }
+        // Delta: the signs as 0/1 bytes (one shift and one AND per 4) against the quantized rows of
+        // the slot's group; only the columns of the slot's rows are kept.
 #pragma unroll
         for (int s = 0; s < MAXS; ++s) {
-          const uint32_t swA = sw[u][s][0], swB = sw[u][s][1];
-          const uint32_t sa[8] = {sign_pair<0>(swA), sign_pair<1>(swA), sign_pair<2>(swA),
-                                  sign_pair<3>(swA), sign_pair<4>(swA), sign_pair<5>(swA),
-                                  sign_pair<6>(swA), sign_pair<7>(swA)};
-          const uint32_t sb[8] = {sign_pair<0>(swB), sign_pair<1>(swB), sign_pair<2>(swB),
-                                  sign_pair<3>(swB), sign_pair<4>(swB), sign_pair<5>(swB),
-                                  sign_pair<6>(swB), sign_pair<7>(swB)};
-          if (RG == 1 || slots[s].group == 0) {
+          if (s >= nmine) break;
+          const uint32_t word = sw[u][s];
+          uint32_t a[8];
 #pragma unroll
-            for (int st = 0; st < 4; ++st)
-              mma_bf16(sacc[s], sa[2 * st], sb[2 * st], sa[2 * st + 1], sb[2 * st + 1],
-                       xb[0][2 * st], xb[0][2 * st + 1]);
-          } else {
-#pragma unroll
-            for (int st = 0; st < 4; ++st)
-              mma_bf16(sacc[s], sa[2 * st], sb[2 * st], sa[2 * st + 1], sb[2 * st + 1],
-                       xb[RG - 1][2 * st], xb[RG - 1][2 * st + 1]);
-          }
-        }
-      }
-    }
-    // α ⊙ (S·x) into the columns (rows of x) that belong to each slot.
-#pragma unroll
-    for (int s = 0; s < MAXS; ++s) {
-      const Slot& sl = slots[s];
-      const float aA = __ldg(sl.alpha + (sl.alpha_per_row ? nA : 0));
-      const float aB = __ldg(sl.alpha + (sl.alpha_per_row ? nB : 0));
-#pragma unroll
-      for (int g = 0; g < RG; ++g) {
-        if (sl.group != g) continue;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int r = g * 8 + 2 * t + j;
-          if (r < p.rows && p.slot_of_row[r] == sgroup * MAXS + s) {
-            acc[g][j] += aA * sacc[s][j];
-            acc[g][2 + j] += aB * sacc[s][2 + j];
-          }
+          for (int j = 0; j < 8; ++j) a[j] = (word >> j) & 0x01010101u;
+          mma_s8(sacc[s], a[0], a[1], a[2], a[3], qb[u][s].x, qb[u][s].y);
+          mma_s8(sacc[s], a[4], a[5], a[6], a[7], qb[u][s].z, qb[u][s].w);
         }
       }
     }
   }
-  // Sum the k_split partial results of each tile, then write y[r][n].
+  // This warp's partial y [row of x][row of the tile]: base, then α·scale·(2·Σb·q − Σq) over its
+  // K range for its slots' rows.
+  float* yw = &ytile[warp][0][0];
 #pragma unroll
-  for (int g = 0; g < RG; ++g)
+  for (int i = 0; i < 8; ++i) yw[lane + 32 * i] = 0.0f;
+  __syncwarp();
+  if (do_base)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) partial[warp][g * 4 + i][lane] = acc[g][i];
+    for (int g = 0; g < RG; ++g)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) yw[(8 * g + 2 * t + (i & 1)) * 16 + gid + 8 * (i >> 1)] = acc[g][i];
+  __syncwarp();
+  if (MAXS > 0) wait_for_prerequisite();  // (again: a no-op once waited; warps without K blocks)
+  if (n0 < N)
+#pragma unroll
+    for (int s = 0; s < MAXS; ++s) {
+      if (s >= nmine) break;
+      const Slot& sl = slots[s];
+      if (!((sl.rows >> t) & 1)) continue;
+      const int r = 4 * sl.G + t;
+      const long long sum_q = __ldcg(p.xsum + r * (p.KC + 1) + kb_end) - __ldcg(p.xsum + r * (p.KC + 1) + kb_begin);
+      const float scale = __ldcg(p.xscale + r);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int nl = gid + 8 * h, n = n0 + nl;
+        if (n >= N) continue;
+        const long long bq = 256LL * sacc[s][2 * h] + sacc[s][2 * h + 1];
+        yw[r * 16 + nl] += __ldg(p.alpha[r] + (p.alpha_per_row[r] ? n : 0)) * scale * float(2 * bq - sum_q);
+      }
+    }
+  // Sum the tile's warps, then write y[r][n].
   __syncthreads();
   if (in_tile != 0 || n0 >= N) return;
-#pragma unroll
-  for (int g = 0; g < RG; ++g)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float v = 0.0f;
-      for (int q = 0; q < warps_per_tile; ++q) v += partial[warp + q][g * 4 + i][lane];
-      const int r = g * 8 + 2 * t + (i & 1), n = n0 + gid + 8 * (i >> 1);
-      if (r < p.rows && n < N) p.y[size_t(r) * N + n] = v;
-    }
+  for (int e = lane; e < p.rows * 16; e += 32) {
+    const int r = e >> 4, nl = e & 15, n = n0 + nl;
+    if (n >= N) continue;
+    float v = 0.0f;
+    for (int q = 0; q < warps_per_tile; ++q) v += ytile[warp + q][r][nl];
+    p.y[size_t(r) * N + n] = v;
+  }
 }
 
 template <int RG, int MAXS>
 void launch(const DecodeParams& p, cudaStream_t stream) {
   const int tiles = (p.N + 15) / 16, tiles_per_block = kWarps / (p.k_split * p.slot_groups);
   const int blocks = (tiles + tiles_per_block - 1) / tiles_per_block;
-  decode_kernel<RG, MAXS><<<blocks, kWarps * 32, 0, stream>>>(p);
-  BITDELTA_CUDA_CHECK_LAUNCH();
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(blocks));
+  cfg.blockDim = dim3(kWarps * 32);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = MAXS > 0 ? 1 : 0;  // with a delta, the quantizing kernel precedes it
+  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_kernel<RG, MAXS>, p));
 }
 
-// Slots per warp: 1, 2 or (one group of x rows) 4; more slots go to more warps of the tile
-// (slot_groups), which keeps each warp within 128 registers: two blocks per multiprocessor, no
-// spills.
+// Slots per warp: 1 or 2; more slots go to more warps of the tile (slot_groups), which keeps each
+// warp within 128 registers (two blocks per multiprocessor) without spills (4 slots spilled).
 template <int RG>
 void launch_slots(DecodeParams& p, cudaStream_t stream) {
-  const int per_warp = p.nslots == 0 ? 0 : p.nslots == 1 ? 1 : (p.nslots == 2 || RG == 2) ? 2 : 4;
+  const int per_warp = p.nslots == 0 ? 0 : p.nslots == 1 ? 1 : 2;
   p.slot_groups = per_warp == 0 ? 1 : (p.nslots + per_warp - 1) / per_warp;
   p.k_split = std::max(1, std::min(p.k_split, kWarps / p.slot_groups));
-  for (int s = p.nslots; s < p.slot_groups * per_warp; ++s) p.slots[s] = p.slots[p.nslots - 1];
   if (per_warp == 0) return launch<RG, 0>(p, stream);
   if (per_warp == 1) return launch<RG, 1>(p, stream);
-  if (per_warp == 2 || RG == 2) return launch<RG, 2>(p, stream);
-  if constexpr (RG == 1) launch<RG, 4>(p, stream);
+  launch<RG, 2>(p, stream);
 }
 
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+// One block per padded row of x (4·NG rows): scale, the int8 fragments and prefix sums of q per
+// 64-column chunk. A thread quantizes 4 consecutive columns: one byte of 4 in each of two fragment
+// words (high and low parts), stored whole.
+constexpr int kPrepThreads = 1024;
+__global__ void __launch_bounds__(kPrepThreads) prepare_x_kernel(const __nv_bfloat16* x, int rows, int K, int KC,
+                                                                 int NG, uint32_t* xq, float* xscale, int* xsum) {
+  __shared__ float red[kPrepThreads / 32];
+  __shared__ int chunk_sum[kMaxChunks];
+  allow_dependent_launch();
+  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const bool real = r < rows;
+  const __nv_bfloat16* xr = x + size_t(min(r, rows - 1)) * K;
+  float m = 0.0f;
+  if (real)
+    for (int k = tid; k < K; k += kPrepThreads) m = fmaxf(m, fabsf(__bfloat162float(xr[k])));
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = 0.0f;
+  for (int i = 0; i < kPrepThreads / 32; ++i) m = fmaxf(m, red[i]);
+  const float inv = m > 0.0f ? float(kQMax) / m : 0.0f;
+  if (real && tid == 0) xscale[r] = m / float(kQMax);
+  const int G = r >> 2, rr = r & 3;
+  const int quads = KC * 16;
+  for (int quad = tid; quad < (quads + 31) / 32 * 32; quad += kPrepThreads) {  // whole warps iterate
+    const int k = 4 * quad;
+    const bool valid = quad < quads;
+    uint32_t hw = 0, lw = 0;
+    int sum = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float v = real && k + e < K ? __bfloat162float(xr[k + e]) : 0.0f;
+      const int q = __float2int_rn(v * inv);
+      const int hi = (q + 128) >> 8, lo = q - 256 * hi;
+      hw |= uint32_t(hi & 0xFF) << (8 * e);
+      lw |= uint32_t(lo & 0xFF) << (8 * e);
+      sum += q;
+    }
+    // Fragment word of (row, columns k..k+3): lane 4·(2·rr + part) + tt, word 2·mm + bi.
+    const int kc = k / kKBlock, kk = k % kKBlock, mm = kk >> 5, bi = (kk >> 4) & 1, tt = (kk & 15) >> 2;
+    const size_t base = (size_t(kc) * NG + G) * 32;
+    if (valid) {
+      xq[(base + 4 * (2 * rr) + tt) * 4 + 2 * mm + bi] = hw;
+      xq[(base + 4 * (2 * rr + 1) + tt) * 4 + 2 * mm + bi] = lw;
+    }
+    // The 16 quads of a chunk are 16 consecutive lanes.
+    for (int o = 8; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (valid && (lane & 15) == 0) chunk_sum[kc] = sum;
+  }
+  __syncthreads();
+  if (!real || warp != 0) return;
+  int carry = 0;  // prefix sums, 32 chunks at a time
+  if (lane == 0) xsum[r * (KC + 1)] = 0;
+  for (int c0 = 0; c0 < KC; c0 += 32) {
+    int v = c0 + lane < KC ? chunk_sum[c0 + lane] : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += n;
+    }
+    if (c0 + lane < KC) xsum[r * (KC + 1) + c0 + lane + 1] = carry + v;
+    carry += __shfl_sync(0xffffffffu, v, 31);
+  }
+}
+
+__global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KC, size_t words, uint32_t* out) {
+  const size_t idx = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= words) return;
+  const int lane = int(idx & 31), g = lane >> 2, t = lane & 3;
+  const size_t blk = idx >> 5;
+  const int kc = int(blk % KC), rg = int(blk / KC), row_bytes = (K + 7) / 8;
+  uint32_t w = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int m = j >> 2, i = j & 3, row = 16 * rg + g + 8 * (i & 1);
+    const int k = kc * kKBlock + 32 * m + 16 * (i >> 1) + 4 * t;  // 4 columns in one byte
+    if (row >= N || k >= K) continue;
+    uint32_t nib = (raw[size_t(row) * row_bytes + k / 8] >> (k % 8)) & 0xFu;
+    if (K - k < 4) nib &= (1u << (K - k)) - 1u;
+    // Bit e of the nibble → bit 8e + j.
+    w |= ((nib & 1u) | (nib & 2u) << 7 | (nib & 4u) << 14 | (nib & 8u) << 21) << j;
+  }
+  out[idx] = w;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Scratch for the quantized rows of x, one buffer per (device, stream), grown on demand and kept:
+// calls on one stream reuse it in stream order, and a call costs no allocation.
+void* stream_scratch(cudaStream_t stream, size_t bytes) {
+  struct Buffer {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, Buffer> buffers;
+  int dev = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard lock(mutex);
+  Buffer& b = buffers[{dev, stream}];
+  if (b.bytes < bytes) {
+    if (b.ptr) {
+      BITDELTA_CUDA_CHECK(cudaStreamSynchronize(stream));
+      BITDELTA_CUDA_CHECK(cudaFree(b.ptr));
+    }
+    b.bytes = std::max(bytes, size_t(1) << 20);
+    BITDELTA_CUDA_CHECK(cudaMalloc(&b.ptr, b.bytes));
+  }
+  return b.ptr;
 }
 
 }  // namespace
 
-int decode_default_k_split(int) {
-  // Measured (bench/cuda/NOTES.md, run 5): k_split 8 was fastest or within noise at every benchmark
-  // shape, N = 4096..28672: more warps per tile keep more bytes in flight.
-  return kWarps;
+size_t packed_signs_bytes(int N, int K) {
+  return size_t((N + 15) / 16) * size_t((K + kKBlock - 1) / kKBlock) * 128;
+}
+
+void pack_signs(const uint8_t* raw, int N, int K, uint8_t* packed, cudaStream_t stream) {
+  if (N < 1 || K < 1) fail("cuda::pack_signs: empty shape [", N, ", ", K, "]");
+  if (!aligned16(packed)) fail("cuda::pack_signs: output not 16-byte aligned");
+  const size_t words = packed_signs_bytes(N, K) / 4;
+  pack_signs_kernel<<<unsigned((words + 255) / 256), 256, 0, stream>>>(raw, N, K, (K + kKBlock - 1) / kKBlock, words,
+                                                                       reinterpret_cast<uint32_t*>(packed));
+  BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
 void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
                          std::span<const DeltaRef> deltas, float* y, cudaStream_t stream,
                          const DecodeOptions& options) {
-  int k_split = options.k_split;
   if (rows < 1 || rows > kMaxRows)
     fail("cuda::fused_linear_decode: ", rows, " rows (1..", kMaxRows, " allowed)");
   if (int(deltas.size()) != rows)
     fail("cuda::fused_linear_decode: ", deltas.size(), " deltas for ", rows, " rows");
   if (N < 1 || K < 1) fail("cuda::fused_linear_decode: empty weight [", N, ", ", K, "]");
+  const int KC = (K + kKBlock - 1) / kKBlock;
+  if (KC > kMaxChunks) fail("cuda::fused_linear_decode: K = ", K, " (at most ", kMaxChunks * kKBlock, ")");
+  int k_split = options.k_split;
   if (k_split == 0) k_split = decode_default_k_split(N);
   if (k_split != 1 && k_split != 2 && k_split != 4 && k_split != 8)
     fail("cuda::fused_linear_decode: k_split ", k_split, " (1, 2, 4 or 8)");
@@ -291,33 +428,53 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   p.y = y;
   p.N = N;
   p.K = K;
+  p.KC = KC;
   p.rows = rows;
   p.k_split = k_split;
-  // The vector path needs whole 64-column blocks, 16-byte aligned rows and 4-byte aligned sign
-  // words.
-  bool aligned = K % kKBlock == 0 && aligned16(w) && aligned16(x);
+  // The vector path needs whole 64-column blocks and 16-byte aligned rows.
+  p.aligned = K % kKBlock == 0 && aligned16(w) && aligned16(x);
+  // Slots: one per distinct variant and group of 4 rows of x (rows that share signs share alpha).
+  const void* signs_of_row[kMaxRows] = {};
   for (int r = 0; r < rows; ++r) {
-    p.slot_of_row[r] = -1;
     const DeltaRef& d = deltas[r];
     if (!d.signs) continue;
     if (!d.alpha) fail("cuda::fused_linear_decode: row ", r, " has signs but no alpha");
-    aligned = aligned && (reinterpret_cast<uintptr_t>(d.signs) & 3) == 0;
-    const int group = r / 8;
+    if (!aligned16(d.signs)) fail("cuda::fused_linear_decode: row ", r, "'s packed signs are not 16-byte aligned");
+    for (int q = 0; q < r; ++q)
+      if (signs_of_row[q] == d.signs && (p.alpha[q] != d.alpha || p.alpha_per_row[q] != int(d.alpha_per_row)))
+        fail("cuda::fused_linear_decode: rows share signs ", d.signs, " but not alpha");
+    signs_of_row[r] = d.signs;
+    p.alpha[r] = d.alpha;
+    p.alpha_per_row[r] = d.alpha_per_row ? 1 : 0;
+    const auto* sg = reinterpret_cast<const uint32_t*>(d.signs);
     int s = 0;
-    while (s < p.nslots && !(p.slots[s].signs == d.signs && p.slots[s].group == group)) ++s;
-    if (s == p.nslots) {
-      p.slots[p.nslots++] = Slot{d.signs, d.alpha, d.alpha_per_row ? 1 : 0, group};
-    } else if (p.slots[s].alpha != d.alpha || p.slots[s].alpha_per_row != int(d.alpha_per_row)) {
-      fail("cuda::fused_linear_decode: rows share signs ", static_cast<const void*>(d.signs),
-           " but not alpha");
-    }
-    p.slot_of_row[r] = int8_t(s);
+    while (s < p.nslots && !(p.slots[s].signs == sg && p.slots[s].G == r / 4)) ++s;
+    if (s == p.nslots) p.slots[p.nslots++] = Slot{sg, r / 4, 0};
+    p.slots[s].rows |= 1u << (r % 4);
   }
-  p.aligned = aligned ? 1 : 0;
+  if (p.nslots) {
+    // The rows of x quantized for the delta term, in a scratch buffer of this stream.
+    p.NG = (rows + 3) / 4;
+    const size_t xq_bytes = size_t(KC) * p.NG * 512, scale_off = xq_bytes, sum_off = scale_off + 64;
+    auto* base = static_cast<char*>(stream_scratch(stream, sum_off + size_t(rows) * (KC + 1) * 4));
+    p.xq = reinterpret_cast<const uint4*>(base);
+    p.xscale = reinterpret_cast<const float*>(base + scale_off);
+    p.xsum = reinterpret_cast<const int*>(base + sum_off);
+    prepare_x_kernel<<<unsigned(4 * p.NG), kPrepThreads, 0, stream>>>(x, rows, K, KC, p.NG, reinterpret_cast<uint32_t*>(base),
+                                                          reinterpret_cast<float*>(base + scale_off),
+                                                          reinterpret_cast<int*>(base + sum_off));
+    BITDELTA_CUDA_CHECK_LAUNCH();
+  }
   if (rows <= 8)
     launch_slots<1>(p, stream);
   else
     launch_slots<2>(p, stream);
+}
+
+int decode_default_k_split(int) {
+  // Measured (bench/cuda/NOTES.md, run 5): k_split 8 was fastest or within noise at every benchmark
+  // shape, N = 4096..28672: more warps per tile keep more bytes in flight.
+  return kWarps;
 }
 
 }  // namespace bitdelta::cuda

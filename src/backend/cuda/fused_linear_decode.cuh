@@ -1,18 +1,32 @@
-// The fused multi-variant BitDelta linear for decode (1..16 rows), on the tensor cores:
+// The fused multi-variant BitDelta linear for decode (1..16 rows):
 //   y[r] = x[r]·W_baseᵀ + α_v(r) ⊙ (x[r]·S_v(r)ᵀ),   S = ±1 from the sign bits (DESIGN.md §3).
-// The warps of a block share 16-row tiles of W: split along K (k_split) and, with many variants,
-// across them (2–4 variants per warp; the first warp of a tile also does the base). Per 64 columns
-// a tile's 16 rows of the base are read once (16-byte loads) for all rows of x, and each distinct
-// variant's sign words once. The signs become ±1 bf16 pairs with one shift and one LOP3 per pair
-// (bit k and bit k+16 of a sign word land on the two sign bits of one register) and feed
-// mma.m16n8k16 with the same x fragments as the base. W_eff is never formed; bf16 products are
-// exact and summed by the tensor cores in f32 (not IEEE-rounded: ~1e-5 relative over K = 11008 in
-// one accumulator). Measured on the H200 against cuBLAS and the byte roofline: bench/cuda/NOTES.md.
+//
+// Bytes decide it (decode is memory-bound): per launch the base is read once for all rows and each
+// distinct variant's bits once. The warps of a block share 16-row tiles of W, split along K
+// (k_split) and, with many variants, across them (1–2 variants per warp; the first warp of a tile
+// also does the base). Each warp streams its loads straight into registers, two 64-column blocks
+// in flight before the first is used; partial sums meet in shared memory. W_eff is never formed.
+// (A shared-memory pipeline, with per-thread cp.async or with bulk copies, was measured slower:
+// bench/cuda/NOTES.md.)
+//
+// Arithmetic, on the tensor cores:
+//   base   bf16 mma.m16n8k16, W rows × x rows, f32 accumulation;
+//   delta  int8 mma.m16n8k32: A = the sign bits as 0/1 bytes, one shift and one AND per 4 signs
+//          (the device sign layout below puts each thread's bits where its mma fragment wants
+//          them); B = x quantized per row to 16-bit integers q = round(x/scale) (scale = max|x|/32512)
+//          and split into two int8 columns (high and low byte), so Σ b·q is exact in int32, and
+//          x·s = scale·(2·Σ b·q − Σ q). The only rounding beyond the base's is x's quantization:
+//          |x − scale·q| ≤ max|x|/65024, i.e. ≤ 1.6e-5 of the row's largest |x| per element.
+//
+// Sign bits on the device are in a packed layout (pack_signs), not the file's: per 16 rows × 64
+// columns, 32 words, word `lane` holding the 32 bits that lane of a warp feeds to two int8 mma.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <span>
 
 #include "bitdelta/delta_ref.h"
@@ -24,13 +38,33 @@ struct DecodeOptions {
 };
 
 // w: [N, K] bf16 row-major; x: [rows, K] bf16; y: [rows, N] f32; all device pointers. deltas[r]
-// (host array of device pointers) is row r's variant; rows with the same signs pointer share one
-// read of its bits.
+// (host array of device pointers, signs in the packed layout) is row r's variant; rows with the
+// same signs pointer share one read of its bits.
 void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
                          std::span<const DeltaRef> deltas, float* y, cudaStream_t stream,
                          const DecodeOptions& options = {});
 
 // The k_split that fused_linear_decode chooses for N output rows (before slot groups take warps).
 int decode_default_k_split(int N);
+
+// The packed sign layout of an [N, K] delta: bytes, and the conversion from the file's layout
+// ([N, ceil(K/8)] bytes, LSB first). Both pointers on the device; packed is 16-byte aligned.
+// Word ((rg·KC + kc)·32 + lane), KC = ceil(K/64), lane = 4·g + t, bit 8e + j (j = 4m + i) holds the
+// sign of row 16·rg + g + 8·(i & 1), column 64·kc + 32·m + 16·(i >> 1) + 4·t + e; zero past N, K.
+size_t packed_signs_bytes(int N, int K);
+void pack_signs(const uint8_t* raw, int N, int K, uint8_t* packed, cudaStream_t stream);
+
+// The 8 sign bits of columns [8·k8, 8·k8 + 8) of row n (bit i: column 8·k8 + i) from the packed
+// layout.
+__device__ __forceinline__ uint32_t packed_sign_byte(const uint32_t* packed, int KC, int n,
+                                                     int k8) {
+  const int kc = k8 >> 3, c = k8 & 7, m = c >> 2, ih = (c >> 1) & 1, t0 = (c & 1) * 2;
+  const int r = n & 15, g = r & 7, j = 4 * m + ((r >> 3) | (ih << 1));
+  const uint32_t* w = packed + (size_t(n >> 4) * KC + kc) * 32 + 4 * g + t0;
+  // Bytes of ((w >> j) & 0x01010101) are the bits of 4 columns; the multiply gathers them.
+  const uint32_t lo = ((((w[0] >> j) & 0x01010101u) * 0x01020408u) >> 24) & 0xFu;
+  const uint32_t hi = ((((w[1] >> j) & 0x01010101u) * 0x01020408u) >> 24) & 0xFu;
+  return lo | (hi << 4);
+}
 
 }  // namespace bitdelta::cuda

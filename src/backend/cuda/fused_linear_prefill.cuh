@@ -7,7 +7,7 @@
 //   GEMM on it kPipelined    kMaterialize with the expansion of chunk i+1 on a second stream,
 //   overlapping the
 //                 (compute-bound) GEMM of chunk i; two scratch buffers
-// W_eff exists only as a scratch chunk in bf16 (rounding it to bf16 costs ≤ 2⁻⁹ relative per
+// Signs are in the packed device layout (fused_linear_decode.cuh). W_eff exists only as a scratch chunk in bf16 (rounding it to bf16 costs ≤ 2⁻⁹ relative per
 // weight).
 #pragma once
 

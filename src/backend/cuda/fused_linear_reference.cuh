@@ -13,7 +13,8 @@
 namespace bitdelta::cuda {
 
 // w: [N, K] bf16, x: [rows, K] bf16, y: [rows, N] f32, all device pointers; deltas[r] holds device
-// pointers to row r's variant (signs == nullptr: the base alone). At most 16 rows per call.
+// pointers to row r's variant (signs in the file's layout, not packed: an independent reading of
+// the bits; signs == nullptr: the base alone). At most 16 rows per call.
 void fused_linear_reference(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
                             std::span<const DeltaRef> deltas, float* y, cudaStream_t stream);
 
