@@ -350,21 +350,8 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_x_kernel(const __nv_bflo
 __global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KC, size_t words, uint32_t* out) {
   const size_t idx = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= words) return;
-  const int lane = int(idx & 31), g = lane >> 2, t = lane & 3;
   const size_t blk = idx >> 5;
-  const int kc = int(blk % KC), rg = int(blk / KC), row_bytes = (K + 7) / 8;
-  uint32_t w = 0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int m = j >> 2, i = j & 3, row = 16 * rg + g + 8 * (i & 1);
-    const int k = kc * kKBlock + 32 * m + 16 * (i >> 1) + 4 * t;  // 4 columns in one byte
-    if (row >= N || k >= K) continue;
-    uint32_t nib = (raw[size_t(row) * row_bytes + k / 8] >> (k % 8)) & 0xFu;
-    if (K - k < 4) nib &= (1u << (K - k)) - 1u;
-    // Bit e of the nibble → bit 8e + j.
-    w |= ((nib & 1u) | (nib & 2u) << 7 | (nib & 4u) << 14 | (nib & 8u) << 21) << j;
-  }
-  out[idx] = w;
+  out[idx] = packed_sign_word(raw, N, K, int(blk / KC), int(blk % KC), int(idx & 31));
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -395,14 +382,12 @@ void* stream_scratch(cudaStream_t stream, size_t bytes) {
 
 }  // namespace
 
-size_t packed_signs_bytes(int N, int K) {
-  return size_t((N + 15) / 16) * size_t((K + kKBlock - 1) / kKBlock) * 128;
-}
+size_t packed_signs_bytes(int N, int K) { return packed_sign_words(N, K) * 4; }
 
 void pack_signs(const uint8_t* raw, int N, int K, uint8_t* packed, cudaStream_t stream) {
   if (N < 1 || K < 1) fail("cuda::pack_signs: empty shape [", N, ", ", K, "]");
   if (!aligned16(packed)) fail("cuda::pack_signs: output not 16-byte aligned");
-  const size_t words = packed_signs_bytes(N, K) / 4;
+  const size_t words = packed_sign_words(N, K);
   pack_signs_kernel<<<unsigned((words + 255) / 256), 256, 0, stream>>>(raw, N, K, (K + kKBlock - 1) / kKBlock, words,
                                                                        reinterpret_cast<uint32_t*>(packed));
   BITDELTA_CUDA_CHECK_LAUNCH();

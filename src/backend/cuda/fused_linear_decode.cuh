@@ -18,7 +18,7 @@
 //          x·s = scale·(2·Σ b·q − Σ q). The only rounding beyond the base's is x's quantization:
 //          |x − scale·q| ≤ max|x|/65024, i.e. ≤ 1.6e-5 of the row's largest |x| per element.
 //
-// Sign bits on the device are in a packed layout (pack_signs), not the file's: per 16 rows × 64
+// Sign bits on the device are in a packed layout (packed_signs.h), not the file's: per 16 rows × 64
 // columns, 32 words, word `lane` holding the 32 bits that lane of a warp feeds to two int8 mma.
 #pragma once
 
@@ -30,6 +30,7 @@
 #include <span>
 
 #include "bitdelta/delta_ref.h"
+#include "packed_signs.h"
 
 namespace bitdelta::cuda {
 
@@ -47,24 +48,10 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
 // The k_split that fused_linear_decode chooses for N output rows (before slot groups take warps).
 int decode_default_k_split(int N);
 
-// The packed sign layout of an [N, K] delta: bytes, and the conversion from the file's layout
-// ([N, ceil(K/8)] bytes, LSB first). Both pointers on the device; packed is 16-byte aligned.
-// Word ((rg·KC + kc)·32 + lane), KC = ceil(K/64), lane = 4·g + t, bit 8e + j (j = 4m + i) holds the
-// sign of row 16·rg + g + 8·(i & 1), column 64·kc + 32·m + 16·(i >> 1) + 4·t + e; zero past N, K.
+// The packed sign layout (packed_signs.h) of an [N, K] delta: bytes, and the conversion from the
+// file's layout ([N, ceil(K/8)] bytes, LSB first), on the GPU. Both pointers on the device; packed is
+// 16-byte aligned.
 size_t packed_signs_bytes(int N, int K);
 void pack_signs(const uint8_t* raw, int N, int K, uint8_t* packed, cudaStream_t stream);
-
-// The 8 sign bits of columns [8·k8, 8·k8 + 8) of row n (bit i: column 8·k8 + i) from the packed
-// layout.
-__device__ __forceinline__ uint32_t packed_sign_byte(const uint32_t* packed, int KC, int n,
-                                                     int k8) {
-  const int kc = k8 >> 3, c = k8 & 7, m = c >> 2, ih = (c >> 1) & 1, t0 = (c & 1) * 2;
-  const int r = n & 15, g = r & 7, j = 4 * m + ((r >> 3) | (ih << 1));
-  const uint32_t* w = packed + (size_t(n >> 4) * KC + kc) * 32 + 4 * g + t0;
-  // Bytes of ((w >> j) & 0x01010101) are the bits of 4 columns; the multiply gathers them.
-  const uint32_t lo = ((((w[0] >> j) & 0x01010101u) * 0x01020408u) >> 24) & 0xFu;
-  const uint32_t hi = ((((w[1] >> j) & 0x01010101u) * 0x01020408u) >> 24) & 0xFu;
-  return lo | (hi << 4);
-}
 
 }  // namespace bitdelta::cuda
