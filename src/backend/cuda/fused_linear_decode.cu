@@ -457,8 +457,8 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
 }
 
 int decode_default_k_split(int) {
-  // Measured (bench/cuda/NOTES.md, run 5): k_split 8 was fastest or within noise at every benchmark
-  // shape, N = 4096..28672: more warps per tile keep more bytes in flight.
+  // Measured (bench/cuda/NOTES.md, run 5 with v6, run 18 with v8): k_split 8 was fastest or within
+  // 2% at every benchmark shape, N = 4096..28672: more warps per tile keep more bytes in flight.
   return kWarps;
 }
 
