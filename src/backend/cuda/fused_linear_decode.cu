@@ -255,6 +255,18 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   }
 }
 
+// Programmatic dependent launch needs sm_90; the portable build runs elsewhere without it.
+bool dependent_launch_supported() {
+  static std::mutex mutex;
+  static std::map<int, bool> supported;
+  int dev = 0, major = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard lock(mutex);
+  if (auto it = supported.find(dev); it != supported.end()) return it->second;
+  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  return supported[dev] = major >= 9;
+}
+
 template <int RG, int MAXS>
 void launch(const DecodeParams& p, cudaStream_t stream) {
   const int tiles = (p.N + 15) / 16, tiles_per_block = kWarps / (p.k_split * p.slot_groups);
@@ -267,7 +279,7 @@ void launch(const DecodeParams& p, cudaStream_t stream) {
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = MAXS > 0 ? 1 : 0;  // with a delta, the quantizing kernel precedes it
+  cfg.numAttrs = MAXS > 0 && dependent_launch_supported() ? 1 : 0;  // the quantizing kernel precedes it
   BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_kernel<RG, MAXS>, p));
 }
 
