@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
           }
         }
         // Delta: the signs as 0/1 bytes (one shift and one AND per 4) against the quantized rows of
-        // the slot's group; only the columns of the slot's rows are kept.
+        // the slot's group (all 4; the epilogue keeps the columns of the slot's rows).
 #pragma unroll
         for (int s = 0; s < MAXS; ++s) {
           if (s >= nmine) break;
@@ -255,20 +255,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   }
 }
 
-// Programmatic dependent launch needs sm_90; the portable build runs elsewhere without it.
-bool dependent_launch_supported() {
-  static std::mutex mutex;
-  static std::map<int, bool> supported;
-  int dev = 0, major = 0;
-  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard lock(mutex);
-  if (auto it = supported.find(dev); it != supported.end()) return it->second;
-  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  return supported[dev] = major >= 9;
-}
-
 template <int RG, int MAXS>
-void launch(const DecodeParams& p, cudaStream_t stream) {
+void launch(const DecodeParams& p, bool dependent_launch, cudaStream_t stream) {
   const int tiles = (p.N + 15) / 16, tiles_per_block = kWarps / (p.k_split * p.slot_groups);
   const int blocks = (tiles + tiles_per_block - 1) / tiles_per_block;
   cudaLaunchConfig_t cfg{};
@@ -279,20 +267,20 @@ void launch(const DecodeParams& p, cudaStream_t stream) {
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = MAXS > 0 && dependent_launch_supported() ? 1 : 0;  // the quantizing kernel precedes it
+  cfg.numAttrs = MAXS > 0 && dependent_launch ? 1 : 0;  // the quantizing kernel precedes it
   BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_kernel<RG, MAXS>, p));
 }
 
 // Slots per warp: 1 or 2; more slots go to more warps of the tile (slot_groups), which keeps each
 // warp within 128 registers (two blocks per multiprocessor) without spills (4 slots spilled).
 template <int RG>
-void launch_slots(DecodeParams& p, cudaStream_t stream) {
+void launch_slots(DecodeParams& p, bool dependent_launch, cudaStream_t stream) {
   const int per_warp = p.nslots == 0 ? 0 : p.nslots == 1 ? 1 : 2;
   p.slot_groups = per_warp == 0 ? 1 : (p.nslots + per_warp - 1) / per_warp;
   p.k_split = std::max(1, std::min(p.k_split, kWarps / p.slot_groups));
-  if (per_warp == 0) return launch<RG, 0>(p, stream);
-  if (per_warp == 1) return launch<RG, 1>(p, stream);
-  launch<RG, 2>(p, stream);
+  if (per_warp == 0) return launch<RG, 0>(p, dependent_launch, stream);
+  if (per_warp == 1) return launch<RG, 1>(p, dependent_launch, stream);
+  launch<RG, 2>(p, dependent_launch, stream);
 }
 
 // One block per padded row of x (4·NG rows): scale, the int8 fragments and prefix sums of q per
@@ -368,19 +356,34 @@ __global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KC, size
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// Scratch for the quantized rows of x, one buffer per (device, stream), grown on demand and kept:
-// calls on one stream reuse it in stream order, and a call costs no allocation.
-void* stream_scratch(cudaStream_t stream, size_t bytes) {
+// What a launch keeps per device: whether it may start early (programmatic dependent launch needs
+// sm_90; the portable build runs elsewhere without it) and, per stream, the scratch for the quantized
+// rows of x, grown on demand and kept: calls on one stream reuse it in stream order.
+struct DeviceState {
+  bool dependent_launch = false;
   struct Buffer {
     void* ptr = nullptr;
     size_t bytes = 0;
   };
+  std::map<cudaStream_t, Buffer> scratch;
+};
+
+// The current device's state and, when bytes > 0, a scratch buffer of at least that size on stream.
+std::pair<bool, void*> device_state(cudaStream_t stream, size_t bytes) {
   static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, Buffer> buffers;
+  static std::map<int, DeviceState> states;
   int dev = 0;
   BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard lock(mutex);
-  Buffer& b = buffers[{dev, stream}];
+  auto [it, fresh] = states.try_emplace(dev);
+  DeviceState& d = it->second;
+  if (fresh) {
+    int major = 0;
+    BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    d.dependent_launch = major >= 9;
+  }
+  if (bytes == 0) return {d.dependent_launch, nullptr};
+  DeviceState::Buffer& b = d.scratch[stream];
   if (b.bytes < bytes) {
     if (b.ptr) {
       BITDELTA_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -389,7 +392,7 @@ void* stream_scratch(cudaStream_t stream, size_t bytes) {
     b.bytes = std::max(bytes, size_t(1) << 20);
     BITDELTA_CUDA_CHECK(cudaMalloc(&b.ptr, b.bytes));
   }
-  return b.ptr;
+  return {d.dependent_launch, b.ptr};
 }
 
 }  // namespace
@@ -449,11 +452,13 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     if (s == p.nslots) p.slots[p.nslots++] = Slot{sg, r / 4, 0};
     p.slots[s].rows |= 1u << (r % 4);
   }
+  // The rows of x quantized for the delta term go to a scratch buffer of this stream.
+  p.NG = p.nslots ? (rows + 3) / 4 : 0;
+  const size_t xq_bytes = size_t(KC) * p.NG * 512, scale_off = xq_bytes, sum_off = scale_off + 64;
+  const auto [dependent_launch, scratch] =
+      device_state(stream, p.nslots ? sum_off + size_t(rows) * (KC + 1) * 4 : 0);
   if (p.nslots) {
-    // The rows of x quantized for the delta term, in a scratch buffer of this stream.
-    p.NG = (rows + 3) / 4;
-    const size_t xq_bytes = size_t(KC) * p.NG * 512, scale_off = xq_bytes, sum_off = scale_off + 64;
-    auto* base = static_cast<char*>(stream_scratch(stream, sum_off + size_t(rows) * (KC + 1) * 4));
+    auto* base = static_cast<char*>(scratch);
     p.xq = reinterpret_cast<const uint4*>(base);
     p.xscale = reinterpret_cast<const float*>(base + scale_off);
     p.xsum = reinterpret_cast<const int*>(base + sum_off);
@@ -463,9 +468,9 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     BITDELTA_CUDA_CHECK_LAUNCH();
   }
   if (rows <= 8)
-    launch_slots<1>(p, stream);
+    launch_slots<1>(p, dependent_launch, stream);
   else
-    launch_slots<2>(p, stream);
+    launch_slots<2>(p, dependent_launch, stream);
 }
 
 int decode_default_k_split(int) {
