@@ -52,7 +52,7 @@ double measure_read_bandwidth() {
 struct Setup {
   size_t N, K, copies;
   std::vector<std::vector<uint16_t>> w;
-  std::vector<std::vector<std::vector<uint8_t>>> signs;  // [copy][variant]
+  std::vector<std::vector<cpu::PackedSigns>> signs;  // [copy][variant], the kernel's layout
   std::vector<std::vector<float>> alpha;                 // [variant]
 };
 
@@ -66,8 +66,9 @@ Setup make_setup(size_t N, size_t K, size_t variants) {
     for (auto& v : s.w[c]) v = f32_to_bf16(float(int(rng() % 2001) - 1000) * 1e-4f);
     s.signs[c].resize(variants);
     for (auto& sv : s.signs[c]) {
-      sv.resize(N * ((K + 7) / 8));
-      for (auto& b : sv) b = uint8_t(rng());
+      std::vector<uint8_t> file(N * ((K + 7) / 8));
+      for (auto& b : file) b = uint8_t(rng());
+      sv = cpu::pack_signs(file.data(), N, K);
     }
   }
   for (size_t v = 0; v < variants; ++v) s.alpha.emplace_back(N, 1e-3f);
@@ -85,14 +86,14 @@ void BM_Linear(benchmark::State& state) {
   size_t copy = 0;
   for (auto _ : state) {
     for (size_t r = 0; r < rows; ++r)
-      deltas[r] = variants ? DeltaRef{s.signs[copy][r % variants].data(),
-                                      s.alpha[r % variants].data(), true}
+      deltas[r] = variants ? DeltaRef{nullptr, s.alpha[r % variants].data(), true,
+                                      s.signs[copy][r % variants].get()}
                            : DeltaRef{};
     const TensorView w{DType::BF16, {N, K}, std::as_bytes(std::span(s.w[copy]))};
     cpu::fused_linear(w, x, rows, deltas, nullptr, y, pool());
     copy = (copy + 1) % s.copies;
   }
-  const double bytes = double(N * K * 2) + double(variants) * double(N * ((K + 7) / 8) + N * 4);
+  const double bytes = double(N * K * 2) + double(variants) * double(cpu::packed_sign_words(N, K) * 4 + N * 4);
   state.SetBytesProcessed(int64_t(double(state.iterations()) * bytes));
   state.counters["MB"] = bytes / 1e6;
   state.counters["roofline"] =
@@ -110,15 +111,18 @@ void BM_LinearHot(benchmark::State& state) {
   std::mt19937 rng(1);
   std::vector<uint16_t> w(N * K);
   for (auto& v : w) v = f32_to_bf16(float(int(rng() % 2001) - 1000) * 1e-4f);
-  std::vector<std::vector<uint8_t>> signs(variants, std::vector<uint8_t>(N * ((K + 7) / 8)));
-  for (auto& sv : signs)
-    for (auto& b : sv) b = uint8_t(rng());
+  std::vector<cpu::PackedSigns> signs(variants);
+  for (auto& sv : signs) {
+    std::vector<uint8_t> file(N * ((K + 7) / 8));
+    for (auto& b : file) b = uint8_t(rng());
+    sv = cpu::pack_signs(file.data(), N, K);
+  }
   const std::vector<float> alpha(N, 1e-3f);
   std::vector<float> x(rows * K), y(rows * N);
   for (auto& v : x) v = float(int(rng() % 2001) - 1000) * 1e-3f;
   std::vector<DeltaRef> deltas(rows);
   for (size_t r = 0; r < rows; ++r)
-    if (variants) deltas[r] = DeltaRef{signs[r % variants].data(), alpha.data(), true};
+    if (variants) deltas[r] = DeltaRef{nullptr, alpha.data(), true, signs[r % variants].get()};
   const TensorView wv{DType::BF16, {N, K}, std::as_bytes(std::span(w))};
   ThreadPool one(1);
   for (auto _ : state) cpu::fused_linear(wv, x, rows, deltas, nullptr, y, one);

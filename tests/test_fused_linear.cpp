@@ -6,6 +6,7 @@
 #include <random>
 
 #include "backend/cpu/fused_linear.h"
+#include "bitdelta/error.h"
 #include "test_util.h"
 
 namespace bitdelta::cpu {
@@ -14,16 +15,55 @@ namespace {
 struct Delta {
   std::vector<uint8_t> signs;
   std::vector<float> alpha;
+  PackedSigns packed;
+  // The kernel reads `packed`, the reference the file-layout `signs`.
+  DeltaRef ref() const { return {signs.data(), alpha.data(), alpha.size() > 1, packed.get()}; }
 };
 
 Delta random_delta(size_t N, size_t K, bool per_row, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  Delta d{std::vector<uint8_t>(N * ((K + 7) / 8)), std::vector<float>(per_row ? N : 1)};
+  Delta d{std::vector<uint8_t>(N * ((K + 7) / 8)), std::vector<float>(per_row ? N : 1), nullptr};
   for (auto& b : d.signs) b = uint8_t(rng());
   for (size_t n = 0; n < N; ++n)  // padding bits stay 0, as the format requires
     if (K % 8) d.signs[n * ((K + 7) / 8) + K / 8] &= uint8_t((1u << (K % 8)) - 1);
   for (auto& a : d.alpha) a = float(rng() % 1000) * 1e-5f + 1e-4f;
+  d.packed = pack_signs(d.signs.data(), N, K);
   return d;
+}
+
+// The packed layout against its definition: word (b·C + c)·8 + r, bit j holds row 8b + r, column
+// 30c + j; everything outside the matrix is 0.
+TEST(FusedLinear, PackedSignLayout) {
+  for (auto [N, K] : {std::pair<size_t, size_t>{1, 1}, {9, 29}, {16, 30}, {17, 61}, {8, 4099}}) {
+    const Delta d = random_delta(N, K, true, N * 131 + K);
+    const size_t C = (K + 29) / 30, blocks = (N + 7) / 8;
+    ASSERT_EQ(packed_sign_words(N, K), blocks * C * 8);
+    for (size_t b = 0; b < blocks; ++b)
+      for (size_t c = 0; c < C; ++c)
+        for (size_t r = 0; r < 8; ++r) {
+          const uint32_t word = d.packed[(b * C + c) * 8 + r];
+          for (size_t j = 0; j < 32; ++j) {
+            const size_t n = 8 * b + r, k = 30 * c + j;
+            const bool want = j < 30 && n < N && k < K && ((d.signs[n * ((K + 7) / 8) + k / 8] >> (k % 8)) & 1);
+            ASSERT_EQ((word >> j) & 1, uint32_t(want)) << "N=" << N << " K=" << K << " n=" << n << " k=" << k;
+          }
+        }
+  }
+}
+
+TEST(FusedLinear, RefusesDeltaWithoutPackedSigns) {
+  ThreadPool pool(1);
+  const Delta d = random_delta(4, 8, true, 1);
+  const auto w = test::HostTensor::from_floats(DType::F32, {4, 8}, test::random_floats(32, 2));
+  const TensorView wv{w.dtype, w.shape, w.bytes};
+  std::vector<float> x(8, 1.0f), y(4);
+  const std::vector<DeltaRef> refs{{d.signs.data(), d.alpha.data(), true, nullptr}};
+  try {
+    fused_linear(wv, x, 1, refs, nullptr, y, pool);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no packed signs"), std::string::npos) << e.what();
+  }
 }
 
 // got (SIMD tiles / GEMM) and the plain loops against the reference, for every output.
@@ -67,9 +107,7 @@ TEST(FusedLinear, MatchesReferenceOnRandomShapesAndMixedVariants) {
         std::vector<DeltaRef> refs(rows);
         for (size_t r = 0; r < rows; ++r) {
           const size_t v = (r * 7 + N) % 4;  // 3 = the base alone
-          if (v < 3)
-            refs[r] = {variants[v].signs.data(), variants[v].alpha.data(),
-                       variants[v].alpha.size() > 1};
+          if (v < 3) refs[r] = variants[v].ref();
         }
         const auto bias = test::random_floats(N, rng());
         for (const float* b : {static_cast<const float*>(nullptr), bias.data()})
@@ -87,7 +125,7 @@ TEST(FusedLinear, ManyDistinctVariantsLargeK) {
   std::mt19937_64 rng(11);
   for (DType dtype : {DType::BF16, DType::F16, DType::F32}) {
     for (auto [N, K, rows] :
-         {std::tuple<size_t, size_t, size_t>{37, 4100, 10}, {9, 4099, 15}, {66, 8, 7}}) {
+         {std::tuple<size_t, size_t, size_t>{37, 4100, 10}, {9, 4099, 15}, {66, 8, 7}, {100, 301, 6}}) {
       const auto w =
           test::HostTensor::from_floats(dtype, {N, K}, test::random_floats(N * K, rng(), 0.1f));
       const auto x = test::random_floats(rows * K, rng());
@@ -95,9 +133,7 @@ TEST(FusedLinear, ManyDistinctVariantsLargeK) {
       for (size_t v = 0; v < rows; ++v) variants.push_back(random_delta(N, K, v % 3 != 2, rng()));
       std::vector<DeltaRef> refs(rows);
       for (size_t r = 0; r < rows; ++r)
-        if (r % 5 != 1)  // rows 1, 6, 11: the base alone
-          refs[r] = {variants[r].signs.data(), variants[r].alpha.data(),
-                     variants[r].alpha.size() > 1};
+        if (r % 5 != 1) refs[r] = variants[r].ref();  // rows 1, 6, 11: the base alone
       const auto bias = test::random_floats(N, rng());
       expect_matches_reference(w, x, rows, refs, bias.data(), pool);
     }

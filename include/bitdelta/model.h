@@ -48,6 +48,7 @@ struct VariantWeights {
     std::array<std::vector<float>, kLinearCount> bias;  // empty: none
   };
   std::vector<Layer> layers;
+  std::vector<std::shared_ptr<const uint32_t[]>> packed_signs;  // CPU: what the layers' delta.packed point into
 };
 
 // The keys and values of one sequence, all layers.

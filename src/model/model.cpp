@@ -205,8 +205,14 @@ std::unique_ptr<PreparedVariant> Model::prepare_variant(const std::string& name,
       if (const auto* c = delta->find_compressed(wname)) {
         if (delta->find_whole(wname))
           fail(delta->path().string(), ": tensor '", wname, "' is stored both whole and compressed");
-        L.delta[size_t(k)] = {reinterpret_cast<const uint8_t*>(c->signs.data.data()),
-                              reinterpret_cast<const float*>(c->alpha.data.data()), c->alpha.shape[0] != 1};
+        auto& d = L.delta[size_t(k)];
+        d = {reinterpret_cast<const uint8_t*>(c->signs.data.data()),
+             reinterpret_cast<const float*>(c->alpha.data.data()), c->alpha.shape[0] != 1};
+        if (!device_) {  // the CPU kernels read the signs repacked for their lookup tables
+          const Shape& s = L.linear[size_t(k)].shape;
+          v->packed_signs.emplace_back(cpu::pack_signs(d.signs, s[0], s[1]));
+          d.packed = v->packed_signs.back().get();
+        }
       }
     }
   }

@@ -1,10 +1,18 @@
 // The fused BitDelta linear on the CPU: y = x·W_baseᵀ + α ⊙ (x·Sᵀ), rows tagged with their variant.
 // The base weight is read once per call for all rows; each distinct variant's sign bits once per
 // output row; W_eff is never formed.
+//
+// x·Sᵀ goes through lookup tables over x: for every 3 columns, the 8 sums ±x₀ ± x₁ ± x₂ in float32;
+// a delta row's 3 sign bits pick one of them. The signs are repacked once (pack_signs) so that one
+// 32-bit lane holds 30 columns of one output row and a vector holds 8 output rows: one vpermps
+// then looks up 8 rows × 3 columns. Per 8 weights and delta row that is one lookup, one shift and
+// one add, a quarter of forming W_eff in registers.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <span>
 
 #include "bitdelta/delta_ref.h"
@@ -13,15 +21,30 @@
 
 namespace bitdelta::cpu {
 
+// The packed sign layout: output rows in blocks of 8, columns in chunks of 30. Word (b·C + c)·8 + r
+// (C = ceil(K/30) chunks) holds row 8b + r, columns 30c .. 30c+29 at bits 0..29 (1 = +α, as in the
+// file); bits past K, rows past N and bits 30, 31 are 0.
+constexpr size_t kSignChunk = 30, kSignRowBlock = 8;
+inline size_t sign_chunks(size_t K) { return (K + kSignChunk - 1) / kSignChunk; }
+inline size_t packed_sign_words(size_t N, size_t K) {
+  return (N + kSignRowBlock - 1) / kSignRowBlock * sign_chunks(K) * kSignRowBlock;
+}
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using PackedSigns = std::unique_ptr<uint32_t[], FreeDeleter>;  // 64-byte aligned
+// Repacks a delta's signs from the file's layout ([N, ceil(K/8)], LSB first).
+PackedSigns pack_signs(const uint8_t* file_signs, size_t N, size_t K);
+
 // x: [rows, K] floats; y: [rows, N]; w: [N, K] in BF16, F16 or F32; deltas[r] is row r's delta
-// (signs == nullptr: the base alone); bias: optional [N]. Few rows go through SIMD GEMV tiles
+// (packed == nullptr: the base alone; `signs` is not read here); bias: optional [N]. Few rows go through SIMD GEMV tiles
 // (AVX2 when the CPU has it, else plain loops; simd = false forces the plain loops, for tests),
 // many rows through blocked GEMMs.
 void fused_linear(const TensorView& w, std::span<const float> x, size_t rows, std::span<const DeltaRef> deltas,
                   const float* bias, std::span<float> y, ThreadPool& pool, bool simd = true);
 
-// The plain reference, for tests only: materializes W_eff in float32 per row, then multiplies
-// in float64.
+// The plain reference, for tests only: materializes W_eff in float32 per row from the file-layout
+// `signs` (not `packed`), then multiplies in float64.
 void fused_linear_reference(const TensorView& w, std::span<const float> x, size_t rows,
                             std::span<const DeltaRef> deltas, const float* bias, std::span<float> y);
 
