@@ -334,9 +334,10 @@ bool has_avx2() {
   return yes;
 }
 
-// The tables of the given batch rows of x, in one 32-byte aligned buffer (per calling thread);
-// tables[r] points to row r's (rows not listed keep their entry).
-void build_tables(const float* x, size_t K, const std::vector<size_t>& which, std::vector<const float*>& tables) {
+// The tables of the given batch rows of x, in one 32-byte aligned buffer (per calling thread),
+// built by the pool's threads; tables[r] points to row r's (rows not listed keep their entry).
+void build_tables(const float* x, size_t K, const std::vector<size_t>& which, std::vector<const float*>& tables,
+                  ThreadPool& pool) {
   thread_local std::unique_ptr<float[], FreeDeleter> buf;
   thread_local size_t capacity = 0;
   const size_t per = table_floats(K), need = per * which.size();
@@ -345,10 +346,12 @@ void build_tables(const float* x, size_t K, const std::vector<size_t>& which, st
     if (!buf) fail("fused_linear: out of memory for ", need * 4, " bytes of lookup tables");
     capacity = need;
   }
-  for (size_t i = 0; i < which.size(); ++i) {
-    build_table_avx2(x + which[i] * K, K, buf.get() + i * per);
-    tables[which[i]] = buf.get() + i * per;
-  }
+  float* base = buf.get();
+  for (size_t i = 0; i < which.size(); ++i) tables[which[i]] = base + i * per;
+  if (which.size() == 1) return build_table_avx2(x + which[0] * K, K, base);
+  pool.parallel_for(which.size(), [&](size_t i0, size_t i1) {
+    for (size_t i = i0; i < i1; ++i) build_table_avx2(x + which[i] * K, K, base + i * per);
+  });
 }
 
 // Many rows (prefill, large batches): blocks of output rows are converted to float32 in cache and
@@ -419,7 +422,7 @@ void linear_gemm(const TensorView& w, const float* x, size_t rows, const DeltaRe
       groups[g].rows.clear();
     }
   std::vector<const float*> tables(rows, nullptr);
-  if (simd) build_tables(x, K, few_rows, tables);
+  if (simd) build_tables(x, K, few_rows, tables, pool);
   std::sort(groups[0].rows.begin(), groups[0].rows.end());
   for (auto& g : groups)
     if (!g.rows.empty() && g.rows.size() < rows)
@@ -503,7 +506,7 @@ void fused_linear(const TensorView& w, std::span<const float> x, size_t rows,
   for (size_t r = 0; r < rows; ++r)
     if (deltas[r].packed) delta_rows.push_back(r);
   std::vector<const float*> tables(rows, nullptr);
-  build_tables(x.data(), K, delta_rows, tables);
+  build_tables(x.data(), K, delta_rows, tables, pool);
   pool.parallel_for((N + kSuperRows - 1) / kSuperRows, [&](size_t s0, size_t s1) {
     linear_rows_avx2(w, x.data(), rows, deltas.data(), tables.data(), bias, y.data(), s0 * kSuperRows,
                      std::min(N, s1 * kSuperRows));
