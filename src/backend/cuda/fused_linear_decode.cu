@@ -116,7 +116,8 @@ __device__ __forceinline__ void make_pairs(const uint4& e, const uint4& f, uint3
 }
 
 // Warps of one 16-row tile split its work along K (k_split) and across slots (slot_groups of MAXS
-// slots each; the first group also does the base); their partial results meet in shared memory.
+// slots each; each group also does its share of the base); their partial results meet in shared
+// memory.
 template <int RG, int MAXS>
 __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodeParams p) {
   constexpr int kUnroll = 2;
@@ -131,7 +132,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
             sgroup = in_tile / p.k_split;
   const Slot* slots = p.slots + sgroup * MAXS;
   const int nmine = min(MAXS, p.nslots - sgroup * MAXS);
-  const bool do_base = sgroup == 0;
   const int K = p.K, N = p.N;
   const int nA = min(n0 + gid, N - 1), nB = min(n0 + gid + 8, N - 1);
   const __nv_bfloat16* wA = p.w + size_t(nA) * K;
@@ -154,20 +154,27 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
 
   float acc[RG][4] = {};
   int sacc[MAXS > 0 ? MAXS : 1][4] = {};
-  // Each warp walks a contiguous range of 64-column blocks, kUnroll blocks per batch: all loads of
-  // a batch are issued before the first is used (bytes in flight).
+  // Each warp walks a contiguous range of 64-column blocks for its slots, kUnroll blocks per batch:
+  // all loads of a batch are issued before the first is used (bytes in flight). The base of that
+  // range is split again among the tile's slot groups: each warp also does W·x over its share
+  // [bb_begin, bb_end), in the same batches (with one warp doing the whole base of a 16-variant
+  // tile, too few of W's bytes were in flight).
   const int nkb = p.KC;
   const int kb_begin = nkb * kpart / p.k_split, kb_end = nkb * (kpart + 1) / p.k_split;
+  const int kbs = kb_end - kb_begin;
+  const int bb_begin = kb_begin + kbs * sgroup / p.slot_groups, bb_end = kb_begin + kbs * (sgroup + 1) / p.slot_groups;
   if (n0 < N) {
     for (int kb = kb_begin; kb < kb_end; kb += kUnroll) {
       uint4 we[kUnroll][2], wf[kUnroll][2], xe[kUnroll][RG], xf[kUnroll][RG];
       uint32_t sw[kUnroll][MAXS > 0 ? MAXS : 1];
       uint4 qb[kUnroll][MAXS > 0 ? MAXS : 1];
+      // Block kb + u has base work (warp-uniform).
+      const auto base = [&](int u) { return kb + u < kb_end && kb + u >= bb_begin && kb + u < bb_end; };
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int kbu = min(kb + u, kb_end - 1);
         const int k = kbu * kKBlock + 8 * ci;
-        if (do_base) {
+        if (base(u)) {
           load_raw<true>(wA, k, K, aligned, we[u][0], wf[u][0]);
           load_raw<true>(wB, k, K, aligned, we[u][1], wf[u][1]);
 #pragma unroll
@@ -184,7 +191,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (u > 0 && kb + u >= kb_end) break;
-        if (do_base) {
+        if (base(u)) {
           uint32_t wa[8], wb[8], xb[RG][8];
 #pragma unroll
           for (int g = 0; g < RG; ++g) make_pairs(xe[u][g], xf[u][g], xb[g]);
@@ -194,8 +201,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
           for (int st = 0; st < 4; ++st) {
 #pragma unroll
             for (int g = 0; g < RG; ++g)
-              mma_bf16(acc[g], wa[2 * st], wb[2 * st], wa[2 * st + 1], wb[2 * st + 1],
-                       xb[g][2 * st], xb[g][2 * st + 1]);
+              mma_bf16(acc[g], wa[2 * st], wb[2 * st], wa[2 * st + 1], wb[2 * st + 1], xb[g][2 * st],
+                       xb[g][2 * st + 1]);
           }
         }
         // Delta: the signs as 0/1 bytes (one shift and one AND per 4) against the quantized rows of
@@ -219,11 +226,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
 #pragma unroll
   for (int i = 0; i < 8; ++i) yw[lane + 32 * i] = 0.0f;
   __syncwarp();
-  if (do_base)
 #pragma unroll
-    for (int g = 0; g < RG; ++g)
+  for (int g = 0; g < RG; ++g)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) yw[(8 * g + 2 * t + (i & 1)) * 16 + gid + 8 * (i >> 1)] = acc[g][i];
+    for (int i = 0; i < 4; ++i) yw[(8 * g + 2 * t + (i & 1)) * 16 + gid + 8 * (i >> 1)] = acc[g][i];
   __syncwarp();
   if (MAXS > 0) wait_for_prerequisite();  // (again: a no-op once waited; warps without K blocks)
   if (n0 < N)

@@ -3,8 +3,8 @@
 //
 // Bytes decide it (decode is memory-bound): per launch the base is read once for all rows and each
 // distinct variant's bits once. The warps of a block share 16-row tiles of W, split along K
-// (k_split) and, with many variants, across them (1–2 variants per warp; the first warp of a tile
-// also does the base). Each warp streams its loads straight into registers, two 64-column blocks
+// (k_split) and, with many variants, across them (1–2 variants per warp, the base of the warp's
+// K range split among the warps that share it). Each warp streams its loads straight into registers, two 64-column blocks
 // in flight before the first is used; partial sums meet in shared memory. W_eff is never formed.
 // (A shared-memory pipeline, with per-thread cp.async or with bulk copies, was measured slower:
 // bench/cuda/NOTES.md.)
