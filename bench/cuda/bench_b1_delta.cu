@@ -29,24 +29,29 @@ namespace {
 // kPacked: the signs in fragment order, [tile][K/256][32 lanes] × 16 bytes (one coalesced 512-byte
 // load per warp and block); otherwise the file's layout (16 rows × 32 bytes per warp and block).
 // kUnroll: 256-column blocks in flight per warp.
+// ks warps share one (tile, variant), each over 1/ks of K (a block of 32·ks threads per tile and
+// variant), summing in shared memory; ks = 0: one warp per tile and variant, 4 per block.
 template <bool kPacked, int kUnroll>
-__global__ void __launch_bounds__(128) b1_delta(const uint32_t* const* signs, const uint32_t* planes,
-                                                const int* plane_popc, int V, int N, int K, long long* y) {
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+__global__ void __launch_bounds__(256) b1_delta(const uint32_t* const* signs, const uint32_t* planes,
+                                                const int* plane_popc, int V, int N, int K, int ks, long long* y) {
+  __shared__ long long part[8][16];
+  const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
+  const int warp = ks ? blockIdx.x : (blockIdx.x * blockDim.x + threadIdx.x) / 32, kpart = ks ? wib : 0, nparts = ks ? ks : 1;
   const int tiles = N / 16, v = warp / tiles, tile = warp % tiles;
-  if (v >= V) return;  // whole warps
+  if (v >= V) return;  // whole warps (whole blocks when ks > 0)
   const int g = lane >> 2, t = lane & 3, KW = K / 32, KB = K / 256;
   const uint32_t* rowA = signs[v] + size_t(tile * 16 + g) * KW;  // row g of the tile
   const uint32_t* rowB = rowA + size_t(8) * KW;                  // row g + 8
   const uint32_t* pl = planes + size_t(v) * 16 * KW;
   int lo[4] = {}, hi[4] = {};  // planes 0..7 and 8..15: D fragments
-  for (int kb = 0; kb < KB; kb += kUnroll) {
+  const int kb_begin = KB * kpart / nparts, kb_end = KB * (kpart + 1) / nparts;
+  for (int kb = kb_begin; kb < kb_end; kb += kUnroll) {
     uint32_t a[kUnroll][4], b[kUnroll][4];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int w = (min(kb + u, KB - 1)) * 8 + t;
+      const int w = (min(kb + u, kb_end - 1)) * 8 + t;
       if (kPacked) {
-        const uint4 f = __ldg(reinterpret_cast<const uint4*>(signs[v]) + (size_t(tile) * KB + min(kb + u, KB - 1)) * 32 + lane);
+        const uint4 f = __ldg(reinterpret_cast<const uint4*>(signs[v]) + (size_t(tile) * KB + min(kb + u, kb_end - 1)) * 32 + lane);
         a[u][0] = f.x, a[u][1] = f.y, a[u][2] = f.z, a[u][3] = f.w;
       } else {
         a[u][0] = __ldg(rowA + w);
@@ -61,7 +66,7 @@ __global__ void __launch_bounds__(128) b1_delta(const uint32_t* const* signs, co
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (kb + u >= KB) break;
+      if (kb + u >= kb_end) break;
       asm volatile(
           "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
           "{%0,%1,%2,%3};\n"
@@ -81,16 +86,28 @@ __global__ void __launch_bounds__(128) b1_delta(const uint32_t* const* signs, co
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int p = 2 * t + i;
-    ra += weight(p) * (2LL * lo[i] - pp[p]) + weight(p + 8) * (2LL * hi[i] - pp[p + 8]);
-    rb += weight(p) * (2LL * lo[2 + i] - pp[p]) + weight(p + 8) * (2LL * hi[2 + i] - pp[p + 8]);
+    // Σ q over all of K (the plane popcounts) is subtracted once per tile: by the first K part.
+    const long long cp = kpart == 0 ? pp[p] : 0, cq = kpart == 0 ? pp[p + 8] : 0;
+    ra += weight(p) * (2LL * lo[i] - cp) + weight(p + 8) * (2LL * hi[i] - cq);
+    rb += weight(p) * (2LL * lo[2 + i] - cp) + weight(p + 8) * (2LL * hi[2 + i] - cq);
   }
   for (int o = 1; o < 4; o <<= 1) {
     ra += __shfl_xor_sync(0xffffffffu, ra, o);
     rb += __shfl_xor_sync(0xffffffffu, rb, o);
   }
-  if (t == 0) {
-    y[size_t(v) * N + tile * 16 + g] = ra;
-    y[size_t(v) * N + tile * 16 + g + 8] = rb;
+  if (!ks) {
+    if (t == 0) {
+      y[size_t(v) * N + tile * 16 + g] = ra;
+      y[size_t(v) * N + tile * 16 + g + 8] = rb;
+    }
+    return;
+  }
+  if (t == 0) part[kpart][g] = ra, part[kpart][g + 8] = rb;
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    long long sum = 0;
+    for (int i = 0; i < ks; ++i) sum += part[i][threadIdx.x];
+    y[size_t(v) * N + tile * 16 + threadIdx.x] = sum;
   }
 }
 
@@ -162,25 +179,27 @@ Device upload(const Problem& p, bool packed) {
   return d;
 }
 
-void launch(const Problem& p, const Device& d, bool packed, int unroll = 4) {
-  const int warps = p.V * (p.N / 16), blocks = (warps + 3) / 4;
+void launch(const Problem& p, const Device& d, bool packed, int unroll = 4, int ks = 0) {
+  const int warps = p.V * (p.N / 16);
+  const int blocks = ks ? warps : (warps + 3) / 4, threads = ks ? 32 * ks : 128;
   if (packed && unroll == 8)
-    b1_delta<true, 8><<<blocks, 128>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, d.y);
+    b1_delta<true, 8><<<blocks, threads>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, ks, d.y);
   else if (packed)
-    b1_delta<true, 4><<<blocks, 128>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, d.y);
+    b1_delta<true, 4><<<blocks, threads>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, ks, d.y);
   else
-    b1_delta<false, 4><<<blocks, 128>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, d.y);
+    b1_delta<false, 4><<<blocks, threads>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, ks, d.y);
   CHECK(cudaGetLastError());
 }
 
 }  // namespace
 
 int main() {
-  for (int mode : {0, 1, 2}) {  // exactness against a CPU integer dot product
+  const auto ks_of = [](int mode) { return mode == 3 ? 2 : mode == 4 ? 4 : mode == 5 ? 8 : 0; };
+  for (int mode : {0, 1, 2, 3, 4, 5}) {  // exactness against a CPU integer dot product
     const bool packed = mode > 0;
-    const Problem p = make(3, 48, 768, 7);
+    const Problem p = make(3, 48, 4096, 7);
     const Device d = upload(p, packed);
-    launch(p, d, packed, mode == 2 ? 8 : 4);
+    launch(p, d, packed, mode == 2 ? 8 : 4, ks_of(mode));
     std::vector<long long> y(size_t(p.V) * p.N);
     CHECK(cudaMemcpy(y.data(), d.y, y.size() * 8, cudaMemcpyDeviceToHost));
     int bad = 0;
@@ -191,8 +210,8 @@ int main() {
           want += ((p.signs[v][size_t(n) * (p.K / 32) + k / 32] >> (k % 32)) & 1) ? p.q[v][k] : -p.q[v][k];
         bad += y[size_t(v) * p.N + n] != want;
       }
-    std::printf("exactness (%s, %d blocks in flight): %d of %d outputs differ from the CPU integer dot product\n",
-                packed ? "fragment order" : "file layout", mode == 2 ? 8 : 4, bad, p.V * p.N);
+    std::printf("exactness (%s, %d blocks in flight, K split over %d warps): %d of %d outputs differ from the CPU integer dot product\n",
+                packed ? "fragment order" : "file layout", mode == 2 ? 8 : 4, std::max(1, ks_of(mode)), bad, p.V * p.N);
     if (bad) return 1;
   }
   double copy_bw = 0;
@@ -220,7 +239,7 @@ int main() {
   std::printf("%-12s %-15s %4s %10s %10s %8s %8s\n", "shape", "signs", "V", "time_us", "MB", "GB/s", "roof/t");
   const int shapes[5][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}, {8192, 8192}, {28672, 8192}};
   for (const auto& s : shapes)
-  for (int mode : {0, 1, 2}) {
+  for (int mode : {0, 1, 2, 3, 4, 5}) {
     const bool packed = mode > 0;
     const int N = s[0], K = s[1] / 256 * 256;  // the prototype needs K % 256 == 0 (11008 = 43·256)
     const Problem p = make(16, N, K, 1);
@@ -231,7 +250,7 @@ int main() {
     std::vector<float> t;
     for (int r = 0; r < 50; ++r) {
       CHECK(cudaEventRecord(e0));
-      launch(p, d, packed, mode == 2 ? 8 : 4);
+      launch(p, d, packed, mode == 2 ? 8 : 4, ks_of(mode));
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));
       float ms;
@@ -240,7 +259,7 @@ int main() {
     }
     std::sort(t.begin(), t.end());
     const double us = t[t.size() / 2], bytes = 16.0 * N * K / 8;
-    std::printf("%5dx%-6d %-15s %4d %10.2f %10.1f %8.0f %8.3f\n", N, K, mode == 0 ? "file, 4 blocks" : mode == 1 ? "fragment, 4" : "fragment, 8", 16, us, bytes / 1e6, bytes / (us * 1e-6) / 1e9,
+    std::printf("%5dx%-6d %-15s %4d %10.2f %10.1f %8.0f %8.3f\n", N, K, mode == 0 ? "file, 4 blocks" : mode == 1 ? "fragment, 4" : mode == 2 ? "fragment, 8" : mode == 3 ? "frag 4, ks 2" : mode == 4 ? "frag 4, ks 4" : "frag 4, ks 8", 16, us, bytes / 1e6, bytes / (us * 1e-6) / 1e9,
                 bytes / copy_bw / (us * 1e-6));
     for (auto* ptr : d.s) CHECK(cudaFree(ptr));
     CHECK(cudaFree(d.sp));
