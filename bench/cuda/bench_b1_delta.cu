@@ -31,7 +31,7 @@ namespace {
 // kUnroll: 256-column blocks in flight per warp.
 // ks warps share one (tile, variant), each over 1/ks of K (a block of 32·ks threads per tile and
 // variant), summing in shared memory; ks = 0: one warp per tile and variant, 4 per block.
-template <bool kPacked, int kUnroll>
+template <int kLayout, int kUnroll>  // kLayout: 0 file, 1 fragment order tile-major, 2 block-major
 __global__ void __launch_bounds__(256) b1_delta(const uint32_t* const* signs, const uint32_t* planes,
                                                 const int* plane_popc, int V, int N, int K, int ks, long long* y) {
   __shared__ long long part[8][16];
@@ -50,8 +50,10 @@ __global__ void __launch_bounds__(256) b1_delta(const uint32_t* const* signs, co
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int w = (min(kb + u, kb_end - 1)) * 8 + t;
-      if (kPacked) {
-        const uint4 f = __ldg(reinterpret_cast<const uint4*>(signs[v]) + (size_t(tile) * KB + min(kb + u, kb_end - 1)) * 32 + lane);
+      if (kLayout > 0) {
+        const int kbu = min(kb + u, kb_end - 1);
+        const size_t frag = kLayout == 1 ? size_t(tile) * KB + kbu : size_t(kbu) * tiles + tile;
+        const uint4 f = __ldg(reinterpret_cast<const uint4*>(signs[v]) + frag * 32 + lane);
         a[u][0] = f.x, a[u][1] = f.y, a[u][2] = f.z, a[u][3] = f.w;
       } else {
         a[u][0] = __ldg(rowA + w);
@@ -137,8 +139,9 @@ Problem make(int V, int N, int K, uint32_t seed) {
   return p;
 }
 
-// The fragment-order copy of one variant's signs (file layout as words, K % 256 == 0).
-std::vector<uint32_t> fragment_order(const std::vector<uint32_t>& s, int N, int K) {
+// The fragment-order copy of one variant's signs (file layout as words, K % 256 == 0): fragments
+// (tile, block) in tile-major order, or block-major (all tiles of one 256-column block together).
+std::vector<uint32_t> fragment_order(const std::vector<uint32_t>& s, int N, int K, bool block_major) {
   const int KW = K / 32, KB = K / 256;
   std::vector<uint32_t> out(s.size());
   for (int tile = 0; tile < N / 16; ++tile)
@@ -146,7 +149,8 @@ std::vector<uint32_t> fragment_order(const std::vector<uint32_t>& s, int N, int 
       for (int lane = 0; lane < 32; ++lane) {
         const int g = lane >> 2, t = lane & 3, w = kb * 8 + t;
         const size_t rowA = size_t(tile * 16 + g) * KW, rowB = rowA + size_t(8) * KW;
-        uint32_t* o = &out[((size_t(tile) * KB + kb) * 32 + lane) * 4];
+        const size_t frag = block_major ? size_t(kb) * (N / 16) + tile : size_t(tile) * KB + kb;
+        uint32_t* o = &out[(frag * 32 + lane) * 4];
         o[0] = s[rowA + w], o[1] = s[rowB + w], o[2] = s[rowA + w + 4], o[3] = s[rowB + w + 4];
       }
   return out;
@@ -160,10 +164,10 @@ struct Device {
   long long* y = nullptr;
 };
 
-Device upload(const Problem& p, bool packed) {
+Device upload(const Problem& p, int layout) {
   Device d;
   for (const auto& s0 : p.signs) {
-    const auto s = packed ? fragment_order(s0, p.N, p.K) : s0;
+    const auto s = layout ? fragment_order(s0, p.N, p.K, layout == 2) : s0;
     uint32_t* ptr;
     CHECK(cudaMalloc(&ptr, s.size() * 4));
     CHECK(cudaMemcpy(ptr, s.data(), s.size() * 4, cudaMemcpyHostToDevice));
@@ -179,15 +183,17 @@ Device upload(const Problem& p, bool packed) {
   return d;
 }
 
-void launch(const Problem& p, const Device& d, bool packed, int unroll = 4, int ks = 0) {
+void launch(const Problem& p, const Device& d, int layout, int unroll = 4, int ks = 0) {
   const int warps = p.V * (p.N / 16);
   const int blocks = ks ? warps : (warps + 3) / 4, threads = ks ? 32 * ks : 128;
-  if (packed && unroll == 8)
-    b1_delta<true, 8><<<blocks, threads>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, ks, d.y);
-  else if (packed)
-    b1_delta<true, 4><<<blocks, threads>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, ks, d.y);
+  if (layout == 2)
+    b1_delta<2, 4><<<blocks, threads>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, ks, d.y);
+  else if (layout == 1 && unroll == 8)
+    b1_delta<1, 8><<<blocks, threads>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, ks, d.y);
+  else if (layout == 1)
+    b1_delta<1, 4><<<blocks, threads>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, ks, d.y);
   else
-    b1_delta<false, 4><<<blocks, threads>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, ks, d.y);
+    b1_delta<0, 4><<<blocks, threads>>>(d.sp, d.planes, d.popc, p.V, p.N, p.K, ks, d.y);
   CHECK(cudaGetLastError());
 }
 
@@ -195,11 +201,12 @@ void launch(const Problem& p, const Device& d, bool packed, int unroll = 4, int 
 
 int main() {
   const auto ks_of = [](int mode) { return mode == 3 ? 2 : mode == 4 ? 4 : mode == 5 ? 8 : 0; };
-  for (int mode : {0, 1, 2, 3, 4, 5}) {  // exactness against a CPU integer dot product
+  const auto layout_of = [](int mode) { return mode == 0 ? 0 : mode == 6 ? 2 : 1; };
+  for (int mode : {0, 1, 2, 3, 4, 5, 6}) {  // exactness against a CPU integer dot product
     const bool packed = mode > 0;
     const Problem p = make(3, 48, 4096, 7);
-    const Device d = upload(p, packed);
-    launch(p, d, packed, mode == 2 ? 8 : 4, ks_of(mode));
+    const Device d = upload(p, layout_of(mode));
+    launch(p, d, layout_of(mode), mode == 2 ? 8 : 4, ks_of(mode));
     std::vector<long long> y(size_t(p.V) * p.N);
     CHECK(cudaMemcpy(y.data(), d.y, y.size() * 8, cudaMemcpyDeviceToHost));
     int bad = 0;
@@ -211,7 +218,7 @@ int main() {
         bad += y[size_t(v) * p.N + n] != want;
       }
     std::printf("exactness (%s, %d blocks in flight, K split over %d warps): %d of %d outputs differ from the CPU integer dot product\n",
-                packed ? "fragment order" : "file layout", mode == 2 ? 8 : 4, std::max(1, ks_of(mode)), bad, p.V * p.N);
+                mode == 6 ? "fragment order, block-major" : packed ? "fragment order" : "file layout", mode == 2 ? 8 : 4, std::max(1, ks_of(mode)), bad, p.V * p.N);
     if (bad) return 1;
   }
   double copy_bw = 0;
@@ -239,18 +246,17 @@ int main() {
   std::printf("%-12s %-15s %4s %10s %10s %8s %8s\n", "shape", "signs", "V", "time_us", "MB", "GB/s", "roof/t");
   const int shapes[5][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}, {8192, 8192}, {28672, 8192}};
   for (const auto& s : shapes)
-  for (int mode : {0, 1, 2, 3, 4, 5}) {
-    const bool packed = mode > 0;
+  for (int mode : {0, 1, 6, 3, 2, 4, 5}) {
     const int N = s[0], K = s[1] / 256 * 256;  // the prototype needs K % 256 == 0 (11008 = 43·256)
     const Problem p = make(16, N, K, 1);
-    const Device d = upload(p, packed);
+    const Device d = upload(p, layout_of(mode));
     cudaEvent_t e0, e1;
     CHECK(cudaEventCreate(&e0));
     CHECK(cudaEventCreate(&e1));
     std::vector<float> t;
     for (int r = 0; r < 50; ++r) {
       CHECK(cudaEventRecord(e0));
-      launch(p, d, packed, mode == 2 ? 8 : 4, ks_of(mode));
+      launch(p, d, layout_of(mode), mode == 2 ? 8 : 4, ks_of(mode));
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));
       float ms;
@@ -259,7 +265,7 @@ int main() {
     }
     std::sort(t.begin(), t.end());
     const double us = t[t.size() / 2], bytes = 16.0 * N * K / 8;
-    std::printf("%5dx%-6d %-15s %4d %10.2f %10.1f %8.0f %8.3f\n", N, K, mode == 0 ? "file, 4 blocks" : mode == 1 ? "fragment, 4" : mode == 2 ? "fragment, 8" : mode == 3 ? "frag 4, ks 2" : mode == 4 ? "frag 4, ks 4" : "frag 4, ks 8", 16, us, bytes / 1e6, bytes / (us * 1e-6) / 1e9,
+    std::printf("%5dx%-6d %-15s %4d %10.2f %10.1f %8.0f %8.3f\n", N, K, mode == 0 ? "file, 4 blocks" : mode == 1 ? "fragment, 4" : mode == 2 ? "fragment, 8" : mode == 3 ? "frag 4, ks 2" : mode == 4 ? "frag 4, ks 4" : mode == 5 ? "frag 4, ks 8" : "block-major, 4", 16, us, bytes / 1e6, bytes / (us * 1e-6) / 1e9,
                 bytes / copy_bw / (us * 1e-6));
     for (auto* ptr : d.s) CHECK(cudaFree(ptr));
     CHECK(cudaFree(d.sp));
