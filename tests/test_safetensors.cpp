@@ -1,8 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
+#include <unistd.h>
 
 #include "bitdelta/error.h"
+#include "bitdelta/mapped_file.h"
 #include "bitdelta/safetensors.h"
 #include "test_util.h"
 
@@ -161,6 +164,38 @@ TEST(Safetensors, TruncatedDataIsCaught) {
   test::write_safetensors(dir / "t.safetensors", m);
   std::filesystem::resize_file(dir / "t.safetensors", std::filesystem::file_size(dir / "t.safetensors") - 10);
   EXPECT_NE(error_of(dir / "t.safetensors").find("tensor 'w': data_offsets"), std::string::npos);
+}
+
+// Resident pages of this process (/proc/self/statm), in bytes.
+size_t resident_bytes() {
+  std::ifstream f("/proc/self/statm");
+  size_t total = 0, resident = 0;
+  f >> total >> resident;
+  return resident * size_t(::sysconf(_SC_PAGESIZE));
+}
+
+// release_pages (used after the CPU engine repacks a delta's signs): the mapped pages leave this
+// process's resident memory, and reading them again gives the same bytes.
+TEST(MappedFile, ReleasedPagesLeaveResidentMemoryAndReadBackTheSame) {
+  TempDir dir;
+  const size_t size = size_t(64) << 20;
+  {
+    std::string data(size, '\0');
+    for (size_t i = 0; i < size; ++i) data[i] = char((i * 2654435761u) >> 13);
+    write_raw(dir / "big.bin", data);
+  }
+  const MappedFile m(dir / "big.bin");
+  const auto sum = [&] {
+    uint64_t s = 0;
+    for (size_t i = 0; i < m.size(); i += 64) s += uint64_t(m.bytes()[i]) * (i + 1);
+    return s;
+  };
+  const uint64_t first = sum();  // faults every page in
+  const size_t touched = resident_bytes();
+  release_pages(m.bytes());
+  const size_t released = resident_bytes();
+  EXPECT_GT(touched, released + (size_t(48) << 20)) << "touched " << touched << ", after release " << released;
+  EXPECT_EQ(sum(), first);
 }
 
 }  // namespace

@@ -13,6 +13,11 @@ namespace bitdelta {
 // (no copy). Returns at once; later page faults wait for the reads. Throws Error if it cannot open.
 void prefetch_file(const std::filesystem::path& path);
 
+// Drops the whole pages inside `bytes` (part of a read-only file mapping) from this process's
+// resident memory: for data that has been copied elsewhere. The page cache keeps them as it sees
+// fit; a later access reads them back, with the same contents.
+void release_pages(std::span<const std::byte> bytes);
+
 class MappedFile {
  public:
   explicit MappedFile(const std::filesystem::path& path);

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -18,6 +19,13 @@ void prefetch_file(const std::filesystem::path& path) {
   if (fd < 0) fail(path.string(), ": cannot open: ", std::strerror(errno));
   ::posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
   ::close(fd);
+}
+
+void release_pages(std::span<const std::byte> bytes) {
+  const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(bytes.data()) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size()) / page * page;
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);  // advice only
 }
 
 MappedFile::MappedFile(const std::filesystem::path& path) : path_(path) {

@@ -10,6 +10,7 @@
 #include "backend/cpu/ops.h"
 #include "bitdelta/error.h"
 #include "bitdelta/fingerprint.h"
+#include "bitdelta/mapped_file.h"
 
 namespace bitdelta {
 
@@ -212,6 +213,7 @@ std::unique_ptr<PreparedVariant> Model::prepare_variant(const std::string& name,
           const Shape& s = L.linear[size_t(k)].shape;
           v->packed_signs.emplace_back(cpu::pack_signs(d.signs, s[0], s[1]));
           d.packed = v->packed_signs.back().get();
+          release_pages(c->signs.data);  // only the packed copy stays resident
         }
       }
     }
