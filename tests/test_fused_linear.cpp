@@ -79,8 +79,8 @@ void expect_matches_reference(const test::HostTensor& w, const std::vector<float
   const auto wf = w.floats();
   for (size_t r = 0; r < rows; ++r)
     for (size_t n = 0; n < N; ++n) {
-      // f32 accumulation of K products: error below K·2⁻²⁴·Σ|w_eff·x| (plus, on the paths that
-      // use S·x = 2·bits·x − Σx, the cancellation, bounded by α·K·2⁻²⁴·Σ|x|; α < 0.02 here).
+      // f32 accumulation of K products: error below K·2⁻²⁴·Σ|w_eff·x|, with |w_eff| ≤ |w| + α and
+      // α < 0.02 here (the lookup-table paths sum x·W and x·S separately, each within that bound).
       double scale = 0;
       for (size_t k = 0; k < K; ++k)
         scale += std::fabs((std::fabs(wf[n * K + k]) + 0.02) * x[r * K + k]);

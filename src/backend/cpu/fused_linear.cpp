@@ -49,6 +49,13 @@ inline bool packed_bit(const uint32_t* p, size_t C, size_t n, size_t k) {
           (k % kSignChunk)) & 1;
 }
 
+// (S·x)_n in plain loops: Σ_k ±x_k by the sign bits of output row n.
+float signed_dot(const uint32_t* packed, size_t C, size_t n, const float* x, size_t K) {
+  float sx = 0;
+  for (size_t k = 0; k < K; ++k) sx += packed_bit(packed, C, n, k) ? x[k] : -x[k];
+  return sx;
+}
+
 // --- plain path -------------------------------------------------------------------------------
 
 void linear_rows_scalar(const TensorView& w, const float* x, size_t rows, const DeltaRef* deltas,
@@ -60,13 +67,10 @@ void linear_rows_scalar(const TensorView& w, const float* x, size_t rows, const 
     to_f32(w.dtype, w.data.data() + n * K * esize, wrow.data(), K);
     for (size_t r = 0; r < rows; ++r) {
       const float* xr = x + r * K;
-      float acc = 0, sx = 0;
+      float acc = 0;
       const DeltaRef& d = deltas[r];
       for (size_t k = 0; k < K; ++k) acc += wrow[k] * xr[k];
-      if (d.packed) {
-        for (size_t k = 0; k < K; ++k) sx += packed_bit(d.packed, C, n, k) ? xr[k] : -xr[k];
-        acc += load_alpha(d, n) * sx;
-      }
+      if (d.packed) acc += load_alpha(d, n) * signed_dot(d.packed, C, n, xr, K);
       y[r * N + n] = acc + (bias ? bias[n] : 0.0f);
     }
   }
@@ -283,7 +287,7 @@ constexpr size_t kSuperRows = 32;
 // Output rows [n0, n1) (n0 a multiple of kSuperRows): per super-block, every batch row's base
 // product through the GEMV tiles (the weights read from memory once, in blocks that stay in L1/L2
 // while every row tile passes over them), then each delta row's α·(S·x) through its tables (the
-// variant's signs read once).
+// variant's signs read once). tables[r]: row r's lookup tables, nullptr for a row without a delta.
 template <DType T>
 __attribute__((target("avx2,fma,f16c"))) void linear_rows_avx2(const TensorView& w, const float* x,
                                                                size_t rows, const DeltaRef* deltas,
@@ -292,11 +296,8 @@ __attribute__((target("avx2,fma,f16c"))) void linear_rows_avx2(const TensorView&
                                                                size_t n0, size_t n1) {
   const size_t K = w.shape[1], N = w.shape[0];
   const std::byte* wdata = w.data.data();
-  std::vector<size_t> all(rows), delta_rows;
-  for (size_t r = 0; r < rows; ++r) {
-    all[r] = r;
-    if (deltas[r].packed) delta_rows.push_back(r);
-  }
+  std::vector<size_t> all(rows);
+  for (size_t r = 0; r < rows; ++r) all[r] = r;
   // At least 4 output rows (a multiple of 4), so the 4-output-row tiles apply.
   const size_t block =
       std::max<size_t>(4, (32u << 10) / std::max<size_t>(1, K * dtype_size(w.dtype))) / 4 * 4;
@@ -306,7 +307,8 @@ __attribute__((target("avx2,fma,f16c"))) void linear_rows_avx2(const TensorView&
       for (size_t i = 0; i < rows; i += kTile)
         tile_rows_avx2<T>(wdata, K, N, x, y, all.data() + i, std::min(kTile, rows - i), b0,
                           std::min(s1, b0 + block));
-    for (size_t r : delta_rows) lut_rows_avx2(deltas[r], K, tables[r], s0, s1, y + r * N);
+    for (size_t r = 0; r < rows; ++r)
+      if (tables[r]) lut_rows_avx2(deltas[r], K, tables[r], s0, s1, y + r * N);
     if (bias)
       for (size_t r = 0; r < rows; ++r)
         for (size_t n = s0; n < s1; ++n) y[r * N + n] += bias[n];
@@ -410,19 +412,17 @@ void linear_gemm(const TensorView& w, const float* x, size_t rows, const DeltaRe
     if (it == groups.end()) it = groups.insert(groups.end(), Group{deltas[r], {}, {}});
     it->rows.push_back(r);
   }
-  std::vector<std::pair<size_t, DeltaRef>> few;  // rows of small variant groups: base GEMM + tables
-  std::vector<size_t> few_rows;
+  std::vector<size_t> few;  // rows of small variant groups: base GEMM + their own delta term
   for (size_t g = 1; g < groups.size(); ++g)
     if (groups[g].rows.size() < kDeltaGemmRows) {
       for (size_t r : groups[g].rows) {
         groups[0].rows.push_back(r);
-        few.emplace_back(r, groups[g].delta);
-        few_rows.push_back(r);
+        few.push_back(r);
       }
       groups[g].rows.clear();
     }
   std::vector<const float*> tables(rows, nullptr);
-  if (simd) build_tables(x, K, few_rows, tables, pool);
+  if (simd) build_tables(x, K, few, tables, pool);
   std::sort(groups[0].rows.begin(), groups[0].rows.end());
   for (auto& g : groups)
     if (!g.rows.empty() && g.rows.size() < rows)
@@ -431,7 +431,7 @@ void linear_gemm(const TensorView& w, const float* x, size_t rows, const DeltaRe
   const size_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
   pool.parallel_for(blocks, [&](size_t b0, size_t b1) {
     thread_local std::vector<float> wblock, weff, z;
-    wblock.assign(kGemmBlock * Kp, 0.0f);
+    wblock.resize(kGemmBlock * Kp);  // columns K .. Kp: padding, never read by the GEMM
     weff.resize(kGemmBlock * Kp);
     for (size_t b = b0; b < b1; ++b) {
       const size_t n0 = b * kGemmBlock, nb = std::min(kGemmBlock, N - n0);
@@ -460,16 +460,14 @@ void linear_gemm(const TensorView& w, const float* x, size_t rows, const DeltaRe
                     g.x.data(), int(K), wb, int(Kp), 0.0f, z.data(), int(nb));
         for (size_t i = 0; i < m; ++i) std::memcpy(y + g.rows[i] * N + n0, &z[i * nb], nb * 4);
       }
-      for (const auto& [r, d] : few) {
+      for (size_t r : few) {
+        const DeltaRef& d = deltas[r];
         if (simd) {
           lut_rows_avx2(d, K, tables[r], n0, n0 + nb, y + r * N);
           continue;
         }
-        for (size_t j = 0; j < nb; ++j) {
-          float sx = 0;
-          for (size_t k = 0; k < K; ++k) sx += packed_bit(d.packed, C, n0 + j, k) ? x[r * K + k] : -x[r * K + k];
-          y[r * N + n0 + j] += load_alpha(d, n0 + j) * sx;
-        }
+        for (size_t j = 0; j < nb; ++j)
+          y[r * N + n0 + j] += load_alpha(d, n0 + j) * signed_dot(d.packed, C, n0 + j, x + r * K, K);
       }
       if (bias)
         for (size_t r = 0; r < rows; ++r)
