@@ -98,6 +98,39 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
 
 constexpr size_t kTile = 4;  // batch rows per pass over a block of weights
 
+// Software prefetch spread over the steps of a loop: cache lines from a list of byte ranges, in
+// order, into L2, at a rate fixed beforehand. One core on its own keeps too few misses in flight
+// to overlap its compute with memory, so the data of the next phase is requested during the
+// current one: the delta rows' signs during the base tiles, the next weights during the lookups.
+constexpr size_t kPrefetchCols = 64;  // base tile columns per prefetch step
+class Prefetch {
+ public:
+  void clear() { ranges_.clear(), lines_ = 0, cur_ = 0, credit_ = 0, rate_ = 0; }
+  void add(const void* p, size_t bytes) {
+    const auto* b = static_cast<const char*>(p);
+    if (bytes == 0) return;
+    if (ranges_.empty()) next_ = b;
+    ranges_.push_back({b, b + bytes});
+    lines_ += (bytes + 63) / 64;
+  }
+  // Every line within about `steps` calls of step().
+  void spread_over(size_t steps) { rate_ = steps ? (lines_ * 256 + steps - 1) / steps : 0; }
+  __attribute__((always_inline)) inline void step() {
+    credit_ += rate_;
+    while (credit_ >= 256) {
+      credit_ -= 256;
+      if (cur_ == ranges_.size()) return void(rate_ = credit_ = 0);
+      _mm_prefetch(next_, _MM_HINT_T1);
+      if ((next_ += 64) >= ranges_[cur_].second && ++cur_ < ranges_.size()) next_ = ranges_[cur_].first;
+    }
+  }
+
+ private:
+  std::vector<std::pair<const char*, const char*>> ranges_;
+  const char* next_ = nullptr;
+  size_t lines_ = 0, cur_ = 0, credit_ = 0, rate_ = 0;
+};
+
 // The batch rows one tile works on (not necessarily adjacent rows of x).
 template <size_t NR>
 struct TileRows {
@@ -123,7 +156,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_step(
 // independent, which hides the FMA latency.
 template <DType T, size_t NR, size_t NO>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_block_avx2(
-    const std::byte* wdata, size_t K, const TileRows<NR>& rows, size_t n) {
+    const std::byte* wdata, size_t K, const TileRows<NR>& rows, size_t n, Prefetch& pf) {
   constexpr size_t esize = T == DType::F32 ? 4 : 2;
   const size_t K8 = K / 8 * 8;
   __m256 acc[NR][NO];
@@ -131,7 +164,11 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_block_a
   for (size_t o = 0; o < NO; ++o) wrow[o] = wdata + (n + o) * K * esize;
   for (size_t r = 0; r < NR; ++r)
     for (size_t o = 0; o < NO; ++o) acc[r][o] = _mm256_setzero_ps();
-  for (size_t k = 0; k < K8; k += 8) tile_step<T, NR, NO>(wrow, rows, acc, k);
+  for (size_t k0 = 0; k0 < K8; k0 += kPrefetchCols) {  // a prefetch step per 64 columns
+    pf.step();
+    const size_t k1 = std::min(K8, k0 + kPrefetchCols);
+    for (size_t k = k0; k < k1; k += 8) tile_step<T, NR, NO>(wrow, rows, acc, k);
+  }
   for (size_t o = 0; o < NO; ++o) {
     float tail[8] = {};
     if (K8 < K) to_f32(T, wrow[o] + K8 * esize, tail, K - K8);
@@ -148,10 +185,10 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_block_a
 template <DType T, size_t NR, size_t NO>
 __attribute__((target("avx2,fma,f16c"), noinline)) void tile_avx2(const std::byte* wdata, size_t K,
                                                                   const TileRows<NR>& rows,
-                                                                  size_t n0, size_t n1) {
+                                                                  size_t n0, size_t n1, Prefetch& pf) {
   size_t n = n0;
-  for (; n + NO <= n1; n += NO) tile_block_avx2<T, NR, NO>(wdata, K, rows, n);
-  for (; n < n1; ++n) tile_block_avx2<T, NR, 1>(wdata, K, rows, n);
+  for (; n + NO <= n1; n += NO) tile_block_avx2<T, NR, NO>(wdata, K, rows, n, pf);
+  for (; n < n1; ++n) tile_block_avx2<T, NR, 1>(wdata, K, rows, n, pf);
 }
 
 // Batch rows idx[0..nr) (nr ≤ kTile) over output rows [b0, b1).
@@ -159,7 +196,7 @@ template <DType T>
 __attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const std::byte* wdata, size_t K,
                                                              size_t N, const float* x, float* y,
                                                              const size_t* idx, size_t nr,
-                                                             size_t b0, size_t b1) {
+                                                             size_t b0, size_t b1, Prefetch& pf) {
   TileRows<kTile> t{};
   for (size_t i = 0; i < nr; ++i) {
     t.x[i] = x + idx[i] * K;
@@ -173,13 +210,13 @@ __attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const std::byte* wd
   // Enough independent accumulators per tile, within the 16 vector registers.
   switch (nr) {
     case 1:
-      return tile_avx2<T, 1, 4>(wdata, K, sub.template operator()<1>(), b0, b1);
+      return tile_avx2<T, 1, 4>(wdata, K, sub.template operator()<1>(), b0, b1, pf);
     case 2:
-      return tile_avx2<T, 2, 4>(wdata, K, sub.template operator()<2>(), b0, b1);
+      return tile_avx2<T, 2, 4>(wdata, K, sub.template operator()<2>(), b0, b1, pf);
     case 3:
-      return tile_avx2<T, 3, 2>(wdata, K, sub.template operator()<3>(), b0, b1);
+      return tile_avx2<T, 3, 2>(wdata, K, sub.template operator()<3>(), b0, b1, pf);
     default:
-      return tile_avx2<T, 4, 2>(wdata, K, t, b0, b1);
+      return tile_avx2<T, 4, 2>(wdata, K, t, b0, b1, pf);
   }
 }
 
@@ -216,7 +253,7 @@ __attribute__((target("avx2,fma"))) void build_table_avx2(const float* x, size_t
 template <size_t NB>
 __attribute__((target("avx2,fma"), always_inline)) inline void lut_blocks(const uint32_t* packed, size_t C,
                                                                          const float* T, size_t b,
-                                                                         __m256 (&out)[NB]) {
+                                                                         __m256 (&out)[NB], Prefetch& pf) {
   __m256 even[NB], odd[NB];  // two accumulator chains per block (groups 2j and 2j+1)
   const uint32_t* wp[NB];
   for (size_t i = 0; i < NB; ++i) {
@@ -228,6 +265,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void lut_blocks(const 
     for (size_t i = 0; i < NB; ++i)
       bits[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp[i] + c * kSignRowBlock));
     const float* t = T + c * kGroups * 8;
+    pf.step();
 #pragma GCC unroll 5
     for (size_t j = 0; j < kGroups; j += 2) {
       const __m256 t0 = _mm256_load_ps(t + j * 8), t1 = _mm256_load_ps(t + j * 8 + 8);
@@ -266,17 +304,17 @@ __attribute__((target("avx2,fma"), always_inline)) inline void add_delta8(const 
 // y[n] += α_n·(S·x)_n for output rows [n0, n1), n0 a multiple of 8; y is the batch row's output.
 __attribute__((target("avx2,fma"), noinline)) void lut_rows_avx2(const DeltaRef& d, size_t K,
                                                                  const float* T, size_t n0, size_t n1,
-                                                                 float* y) {
+                                                                 float* y, Prefetch& pf) {
   const size_t C = sign_chunks(K), b1 = (n1 + kSignRowBlock - 1) / kSignRowBlock;
   size_t b = n0 / kSignRowBlock;
   for (; b + 4 <= b1; b += 4) {
     __m256 sx[4];
-    lut_blocks<4>(d.packed, C, T, b, sx);
+    lut_blocks<4>(d.packed, C, T, b, sx, pf);
     for (size_t i = 0; i < 4; ++i) add_delta8(d, b + i, n1, sx[i], y);
   }
   for (; b < b1; ++b) {
     __m256 sx[1];
-    lut_blocks<1>(d.packed, C, T, b, sx);
+    lut_blocks<1>(d.packed, C, T, b, sx, pf);
     add_delta8(d, b, n1, sx[0], y);
   }
 }
@@ -301,14 +339,38 @@ __attribute__((target("avx2,fma,f16c"))) void linear_rows_avx2(const TensorView&
   // At least 4 output rows (a multiple of 4), so the 4-output-row tiles apply.
   const size_t block =
       std::max<size_t>(4, (32u << 10) / std::max<size_t>(1, K * dtype_size(w.dtype))) / 4 * 4;
+  const size_t esize = dtype_size(w.dtype), C = sign_chunks(K);
+  size_t ndelta = 0;
+  for (size_t r = 0; r < rows; ++r) ndelta += tables[r] != nullptr;
+  Prefetch pf;
   for (size_t s0 = n0; s0 < n1; s0 += kSuperRows) {
     const size_t s1 = std::min(n1, s0 + kSuperRows);
+    // During the base tiles: this super-block's signs of every distinct delta (steps: one per 64
+    // columns and tile of output rows, NO = 4 rows for 1–2 batch rows, else 2).
+    pf.clear();
+    for (size_t r = 0; r < rows; ++r) {
+      if (!tables[r] || std::any_of(deltas, deltas + r, [&](const DeltaRef& d) { return d.packed == deltas[r].packed; }))
+        continue;
+      const size_t w0 = s0 / kSignRowBlock * C * kSignRowBlock;
+      const size_t w1 = (s1 + kSignRowBlock - 1) / kSignRowBlock * C * kSignRowBlock;
+      pf.add(deltas[r].packed + w0, (w1 - w0) * 4);
+    }
+    size_t steps = 0;
+    for (size_t i = 0; i < rows; i += kTile)
+      steps += (s1 - s0 + 3) / (std::min(kTile, rows - i) <= 2 ? 4 : 2) * (K / kPrefetchCols);
+    pf.spread_over(steps);
     for (size_t b0 = s0; b0 < s1; b0 += block)
       for (size_t i = 0; i < rows; i += kTile)
         tile_rows_avx2<T>(wdata, K, N, x, y, all.data() + i, std::min(kTile, rows - i), b0,
-                          std::min(s1, b0 + block));
+                          std::min(s1, b0 + block), pf);
+    // During the lookups (a step per 30 columns and 32 rows): the next super-block's weights.
+    pf.clear();
+    if (ndelta && s1 < n1) {
+      pf.add(wdata + s1 * K * esize, (std::min(n1, s1 + kSuperRows) - s1) * K * esize);
+      pf.spread_over(ndelta * C * ((s1 - s0 + 31) / 32));
+    }
     for (size_t r = 0; r < rows; ++r)
-      if (tables[r]) lut_rows_avx2(deltas[r], K, tables[r], s0, s1, y + r * N);
+      if (tables[r]) lut_rows_avx2(deltas[r], K, tables[r], s0, s1, y + r * N, pf);
     if (bias)
       for (size_t r = 0; r < rows; ++r)
         for (size_t n = s0; n < s1; ++n) y[r * N + n] += bias[n];
@@ -463,7 +525,8 @@ void linear_gemm(const TensorView& w, const float* x, size_t rows, const DeltaRe
       for (size_t r : few) {
         const DeltaRef& d = deltas[r];
         if (simd) {
-          lut_rows_avx2(d, K, tables[r], n0, n0 + nb, y + r * N);
+          Prefetch none;
+          lut_rows_avx2(d, K, tables[r], n0, n0 + nb, y + r * N, none);
           continue;
         }
         for (size_t j = 0; j < nb; ++j)
