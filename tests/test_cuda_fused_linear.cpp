@@ -164,6 +164,12 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect("decode ks=" + std::to_string(ks) + "      " + tag, dy.to_host(), ref, 5e-5);
     }
+    for (int rps : {1, 4}) {  // both slot forms (4 only applies with at most 8 variant-groups)
+      poison(dy.ptr, dy.n);
+      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {0, rps});
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      expect("decode slots/" + std::to_string(rps) + "  " + tag, dy.to_host(), ref, 5e-5);
+    }
     // Back to back on one stream, no synchronization between: the second call's quantized x must
     // not be read before its own quantization finished (programmatic dependent launch), nor
     // overwrite the first call's while that one still reads it.

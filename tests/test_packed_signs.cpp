@@ -3,7 +3,7 @@
 //   - every bit of a packed word is where the layout's definition (written out again below, from the
 //     mma fragment order) puts it;
 //   - packed_sign_byte, which the prefill kernel uses, gives back the file's bytes;
-// on random bits and on shapes with N and K not multiples of 16 and 64 (bits past them are zero).
+// on random bits and on shapes with N and K not multiples of 16 and 256 (bits past them are zero).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -19,13 +19,13 @@ using bitdelta::cuda::packed_sign_word;
 using bitdelta::cuda::packed_sign_words;
 
 struct Packed {
-  int N, K, KC;
+  int N, K, KB;
   std::vector<uint8_t> raw;
   std::vector<uint32_t> words;
 };
 
 Packed make(int N, int K, uint32_t seed) {
-  Packed p{N, K, (K + 63) / 64, {}, {}};
+  Packed p{N, K, (K + 255) / 256, {}, {}};
   const int row_bytes = (K + 7) / 8;
   std::mt19937 rng(seed);
   p.raw.resize(size_t(N) * row_bytes);
@@ -37,7 +37,8 @@ Packed make(int N, int K, uint32_t seed) {
     }
   p.words.resize(packed_sign_words(N, K));
   for (size_t i = 0; i < p.words.size(); ++i)
-    p.words[i] = packed_sign_word(p.raw.data(), N, K, int(i / 32 / p.KC), int(i / 32 % p.KC), int(i % 32));
+    p.words[i] = packed_sign_word(p.raw.data(), N, K, int(i / 128 / p.KB), int(i / 128 % p.KB), int(i / 4 % 32),
+                                  int(i % 4));
   return p;
 }
 
@@ -46,35 +47,33 @@ bool raw_bit(const Packed& p, int n, int k) {
 }
 
 TEST(PackedSigns, EveryBitWhereTheMmaFragmentWantsIt) {
-  for (auto [N, K] : {std::pair{16, 64}, {37, 131}, {100, 1001}, {33, 7}, {64, 4096}}) {
+  for (auto [N, K] : {std::pair{16, 64}, {37, 131}, {100, 1001}, {33, 7}, {64, 4096}, {17, 300}}) {
     const Packed p = make(N, K, uint32_t(N * 7919 + K));
-    ASSERT_EQ(p.words.size(), size_t((N + 15) / 16) * size_t(p.KC) * 32);
-    // The int8 mma.m16n8k32 A fragment of lane 4g + t: register i holds rows g (i even) or g + 8
-    // (i odd) and columns 4t..4t+3 (i < 2) or 16 + 4t.. (i ≥ 2) of a 16 × 32 tile; two tiles (m)
-    // per 64 columns; register (m, i) is byte-wise bit j = 4m + i of the word.
+    ASSERT_EQ(p.words.size(), size_t((N + 15) / 16) * size_t(p.KB) * 128);
+    // The 1-bit mma.m16n8k256 A fragment of lane 4g + t: register i holds rows g (i even) or g + 8
+    // (i odd) and columns 32t..32t+31 (i < 2) or 128 + 32t.. (i ≥ 2) of a 16 × 256 tile, column
+    // 32t + e at bit e.
     for (int rg = 0; rg < (N + 15) / 16; ++rg)
-      for (int kc = 0; kc < p.KC; ++kc)
-        for (int lane = 0; lane < 32; ++lane) {
-          const uint32_t w = p.words[(size_t(rg) * p.KC + kc) * 32 + lane];
-          for (int m = 0; m < 2; ++m)
-            for (int i = 0; i < 4; ++i)
-              for (int e = 0; e < 4; ++e) {
-                const int row = 16 * rg + lane / 4 + (i % 2 ? 8 : 0);
-                const int col = 64 * kc + 32 * m + (i >= 2 ? 16 : 0) + 4 * (lane % 4) + e;
-                ASSERT_EQ(bool((w >> (8 * e + 4 * m + i)) & 1), raw_bit(p, row, col))
-                    << N << "x" << K << " row " << row << " col " << col;
-              }
-        }
+      for (int kb = 0; kb < p.KB; ++kb)
+        for (int lane = 0; lane < 32; ++lane)
+          for (int i = 0; i < 4; ++i) {
+            const uint32_t w = p.words[((size_t(rg) * p.KB + kb) * 32 + lane) * 4 + i];
+            for (int e = 0; e < 32; ++e) {
+              const int row = 16 * rg + lane / 4 + (i % 2 ? 8 : 0);
+              const int col = 256 * kb + (i >= 2 ? 128 : 0) + 32 * (lane % 4) + e;
+              ASSERT_EQ(bool((w >> e) & 1), raw_bit(p, row, col)) << N << "x" << K << " row " << row << " col " << col;
+            }
+          }
   }
 }
 
 TEST(PackedSigns, ByteReadBackEqualsTheFile) {
-  for (auto [N, K] : {std::pair{16, 64}, {37, 131}, {100, 1001}, {33, 7}, {64, 4096}}) {
+  for (auto [N, K] : {std::pair{16, 64}, {37, 131}, {100, 1001}, {33, 7}, {64, 4096}, {17, 300}}) {
     const Packed p = make(N, K, uint32_t(N + 31 * K));
     const int row_bytes = (K + 7) / 8;
     for (int n = 0; n < N; ++n)
       for (int b = 0; b < row_bytes; ++b)
-        ASSERT_EQ(packed_sign_byte(p.words.data(), p.KC, n, b), p.raw[size_t(n) * row_bytes + b])
+        ASSERT_EQ(packed_sign_byte(p.words.data(), p.KB, n, b), p.raw[size_t(n) * row_bytes + b])
             << N << "x" << K << " row " << n << " byte " << b;
   }
 }

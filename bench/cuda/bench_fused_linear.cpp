@@ -189,16 +189,22 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           reps);
       add({shape, "b: 16 rows 16 variants", "fused", t, bytes, roof, "x roofline"});
     }
-    {  // The same 16 rows, all of one variant (a decode batch of one fine-tune).
-      const double bytes1 = double(wbytes) + double(sbytes) + N * 4.0;
-      const double t = time_us(
-          [&](int s) {
-            DeltaRef d[kVariants];
-            for (int v = 0; v < kVariants; ++v) d[v] = delta(s, 0);
-            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr);
-          },
-          reps);
-      add({shape, "b: 16 rows 1 variant", "fused", t, bytes1, t_cublas, "x cuBLAS 16 rows"});
+    // The same 16 rows of one variant (a decode batch of one fine-tune), and of 8 variants with 2
+    // adjacent rows each; slots chosen by the kernel, one per row, and one per variant and 4 rows.
+    for (int nv : {1, 8}) {
+      const double bytes1 = double(wbytes) + nv * (double(sbytes) + N * 4.0);
+      for (int rps : {0, 1, 4}) {
+        const double t = time_us(
+            [&](int s) {
+              DeltaRef d[kVariants];
+              for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v * nv / kVariants);
+              bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {0, rps});
+            },
+            reps);
+        add({shape, nv == 1 ? "b: 16 rows 1 variant" : "b: 16 rows 8 variants x 2",
+             rps == 0 ? "fused" : rps == 1 ? "fused, slot per row" : "fused, slot per 4 rows", t, bytes1,
+             t_cublas, "x cuBLAS 16 rows"});
+      }
     }
     if (profile_only) return;
   }

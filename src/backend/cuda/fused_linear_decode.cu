@@ -12,25 +12,25 @@ namespace {
 
 constexpr int kWarps = 8;        // warps per block
 constexpr int kMaxRows = 16;     // rows of x per launch
-constexpr int kKBlock = 64;      // columns per warp step (one packed sign block)
-constexpr int kQMax = 32512;     // |q| bound: the high byte stays within ±127
-constexpr int kMaxChunks = 2048;  // K ≤ 131072
+constexpr int kKBlock = 64;      // base: columns per mma step
+constexpr int kDBlock = kSignBlockCols;  // delta: columns per 1-bit mma step (4 base steps)
+constexpr int kQMax = 32767;     // x quantized to 16-bit integers per row and 256-column block
 
-// One variant's signs applied to the rows of x in one group of 4 (G): an int8 mma's B columns.
+// One variant's signs applied to rows of x: row0 + i for the bits i (< RS) of mask.
 struct Slot {
-  const uint32_t* signs;  // packed layout
-  int G;                  // rows 4G..4G+3 of x
-  uint32_t rows;          // bit i: row 4G + i uses this variant
+  const uint4* signs;  // packed layout: 32 lanes × 16 bytes per (16-row tile, 256-column block)
+  int row0;
+  uint32_t mask;
 };
 
 struct DecodeParams {
   const __nv_bfloat16* w;
   const __nv_bfloat16* x;
-  const uint4* xq;     // [KC][NG][32 lanes]: int8 B fragments of the quantized rows (16 bytes each)
-  const float* xscale;  // [rows]
-  const int* xsum;      // [rows][KC + 1]: prefix sums of q over the 64-column chunks
+  const uint4* xb;    // [KB][rows][32 lanes]: the 1-bit B fragments (16 bit-planes) of the quantized rows
+  const float2* xs;   // [KB][rows]: (scale, Σq) per block of 256 columns
   float* y;
-  int N, K, KC, rows, NG, k_split, slot_groups, nslots, aligned;
+  int N, K, KB, rows, k_split, slot_groups, nslots, aligned;
+  int base_warps;  // per tile: warps that do the base alone (SPEC kernels), else 0
   // Warp group g of a tile takes slots [g·MAXS, g·MAXS + MAXS) (those below nslots).
   Slot slots[kMaxRows];
   const float* alpha[kMaxRows];  // per row of x; nullptr: no delta
@@ -46,13 +46,14 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                       uint32_t a3, uint32_t b0, uint32_t b1) {
+// D = A·B over 256 one-bit products per output: popc(a ∧ b), A 16 × 256 (the signs), B 256 × 8 (the
+// bit-planes of x), D fresh (C = 0).
+__device__ __forceinline__ void mma_b1(int (&d)[4], const uint4& a, uint32_t b0, uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%10,%10};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1), "r"(0));
 }
 
 // Programmatic dependent launch (sm_90): the decode kernel starts streaming W while the kernel that
@@ -75,11 +76,6 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint32_t ldg_stream32(const void* p) {
-  uint32_t v;
-  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
   return v;
 }
 
@@ -115,23 +111,109 @@ __device__ __forceinline__ void make_pairs(const uint4& e, const uint4& f, uint3
   }
 }
 
-// Warps of one 16-row tile split its work along K (k_split) and across slots (slot_groups of MAXS
-// slots each; each group also does its share of the base); their partial results meet in shared
-// memory.
-template <int RG, int MAXS>
+// kU 64-column steps of W (rows wA, wB: this lane's rows of the tile) and x from column k0 on: the
+// loads of a batch, then its mma (steps past K are skipped).
+template <int RG, int kU>
+__device__ __forceinline__ void load_base(const __nv_bfloat16* wA, const __nv_bfloat16* wB,
+                                          const __nv_bfloat16* const (&xrow)[RG], int k0, int K, int ci,
+                                          bool aligned, uint4 (&we)[kU][2], uint4 (&wf)[kU][2],
+                                          uint4 (&xe)[kU][RG], uint4 (&xf)[kU][RG]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    if (k0 + u * kKBlock >= K) break;
+    const int k = k0 + u * kKBlock + 8 * ci;
+    load_raw<true>(wA, k, K, aligned, we[u][0], wf[u][0]);
+    load_raw<true>(wB, k, K, aligned, we[u][1], wf[u][1]);
+#pragma unroll
+    for (int g = 0; g < RG; ++g) load_raw<false>(xrow[g], k, K, aligned, xe[u][g], xf[u][g]);
+  }
+}
+template <int RG, int kU>
+__device__ __forceinline__ void mma_base(int k0, int K, const uint4 (&we)[kU][2], const uint4 (&wf)[kU][2],
+                                         const uint4 (&xe)[kU][RG], const uint4 (&xf)[kU][RG],
+                                         float (&acc)[RG][4]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    if (k0 + u * kKBlock >= K) break;
+    uint32_t wa[8], wb[8], xb[RG][8];
+#pragma unroll
+    for (int g = 0; g < RG; ++g) make_pairs(xe[u][g], xf[u][g], xb[g]);
+    make_pairs(we[u][0], wf[u][0], wa);
+    make_pairs(we[u][1], wf[u][1], wb);
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+#pragma unroll
+      for (int g = 0; g < RG; ++g)
+        mma_bf16(acc[g], wa[2 * st], wb[2 * st], wa[2 * st + 1], wb[2 * st + 1], xb[g][2 * st], xb[g][2 * st + 1]);
+    }
+  }
+}
+
+// One slot row and block of 256 columns: planes 0–7 and 8–15 of the row (b) against the tile's
+// 16 × 256 sign bits (a); this lane's popcounts weighted by its planes' weights pw, times the block's
+// scale, added to its parts of tile rows gid and gid + 8 (Σq is subtracted after the loop).
+__device__ __forceinline__ void delta_block(const uint4& a, const uint4& b, float scale, const int (&pw)[4],
+                                            float (&acc)[2]) {
+  int lo[4], hi[4];
+  mma_b1(lo, a, b.x, b.y);
+  mma_b1(hi, a, b.z, b.w);
+  acc[0] += scale * float(pw[0] * lo[0] + pw[1] * lo[1] + pw[2] * hi[0] + pw[3] * hi[1]);
+  acc[1] += scale * float(pw[0] * lo[2] + pw[1] * lo[3] + pw[2] * hi[2] + pw[3] * hi[3]);
+}
+
+// The sign fragments of a block for a warp's slots (this lane's 16 bytes each).
+template <int MAXS, int MS>
+__device__ __forceinline__ void load_slot_signs(const uint4* const (&sgn)[MS], int nmine, int kb, uint4 (&sa)[MS]) {
+#pragma unroll
+  for (int s = 0; s < MAXS; ++s) {
+    if (s >= nmine) break;
+    sa[s] = ldg_stream(sgn[s] + size_t(kb) * 32);
+  }
+}
+
+// The bit-plane fragments and scales of a block for the rows of a warp's slots. Not .nc: written by
+// the prerequisite launch.
+template <int MAXS, int MS, int RS>
+__device__ __forceinline__ void load_slot_x(const DecodeParams& p, const Slot* slots, int nmine, int kb, int lane,
+                                            uint4 (&xbf)[MS][RS], float (&sc)[MS][RS]) {
+#pragma unroll
+  for (int s = 0; s < MAXS; ++s) {
+    if (s >= nmine) break;
+#pragma unroll
+    for (int i = 0; i < RS; ++i) {
+      if (!((slots[s].mask >> i) & 1)) continue;
+      const int r = slots[s].row0 + i;
+      xbf[s][i] = __ldcg(p.xb + (size_t(kb) * p.rows + r) * 32 + lane);
+      sc[s][i] = __ldcg(&p.xs[size_t(kb) * p.rows + r].x);
+    }
+  }
+}
+
+// Warps of one 16-row tile split its work along K (k_split, in 256-column blocks) and across slots
+// (slot_groups of MAXS slots each); their partial results meet in shared memory. RS: rows of x per
+// slot (1, or 4 when rows of one variant share a slot and its sign loads). Two forms:
+//   combined (SPEC = false, 1–8 rows of x): every warp takes its slots over its K range and also its
+//     share of the base there, in the same load batches;
+//   specialized (SPEC = true, 9–16 rows): base_warps warps of the tile stream W alone, the others do
+//     the delta alone (two row groups of x plus the slots did not fit 128 registers at full batches).
+template <int RG, int MAXS, int RS, bool SPEC>
 __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodeParams p) {
-  constexpr int kUnroll = 2;
+  constexpr int MS = MAXS > 0 ? MAXS : 1;
+  // 64-column steps of W per load batch.
+  constexpr int kU = 2;
   __shared__ float ytile[kWarps][kMaxRows][16];  // per warp: [row of x][row of the tile]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane >> 2, t = lane & 3;
-  const int warps_per_tile = p.k_split * p.slot_groups, tiles_per_block = kWarps / warps_per_tile;
+  // SPEC: the first base_warps warps of a tile do the base alone, the others the delta alone (each
+  // with its own registers: nothing of one is live in the other).
+  const int warps_per_tile = p.base_warps + p.k_split * p.slot_groups, tiles_per_block = kWarps / warps_per_tile;
   // Warps left over when warps_per_tile does not divide kWarps get no tile (n0 = N).
   const int n0 = warp < tiles_per_block * warps_per_tile
                      ? (blockIdx.x * tiles_per_block + warp / warps_per_tile) * 16
                      : p.N;
-  const int in_tile = warp % warps_per_tile, kpart = in_tile % p.k_split,
-            sgroup = in_tile / p.k_split;
+  const int in_tile = warp % warps_per_tile, base_role = in_tile < p.base_warps;
+  const int dw = base_role ? 0 : in_tile - p.base_warps, kpart = dw % p.k_split, sgroup = dw / p.k_split;
   const Slot* slots = p.slots + sgroup * MAXS;
-  const int nmine = min(MAXS, p.nslots - sgroup * MAXS);
+  const int nmine = base_role ? 0 : min(MAXS, p.nslots - sgroup * MAXS);
   const int K = p.K, N = p.N;
   const int nA = min(n0 + gid, N - 1), nB = min(n0 + gid + 8, N - 1);
   const __nv_bfloat16* wA = p.w + size_t(nA) * K;
@@ -141,87 +223,110 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   for (int g = 0; g < RG; ++g) xrow[g] = p.x + size_t(min(g * 8 + gid, p.rows - 1)) * K;
   const int ci = (t & 1) + 4 * (t >> 1);  // this thread's 8-column chunks: ci and ci + 2 of each 64
   const bool aligned = p.aligned;
-  // Per slot: this lane's packed sign word of block kb is signs[kb·32] (the tile's row group), its
-  // int8 B fragment xq[kb·NG·32].
-  const uint32_t* sgn[MAXS > 0 ? MAXS : 1];
-  const uint4* xqf[MAXS > 0 ? MAXS : 1];
+  // Per slot: this lane's sign fragment of block kb is sgn[s][kb·32].
+  const uint4* sgn[MS];
 #pragma unroll
-  for (int s = 0; s < MAXS; ++s) {
-    const Slot& sl = slots[s < nmine ? s : 0];
-    sgn[s] = sl.signs + size_t(min(n0, N - 1) / 16) * p.KC * 32 + lane;
-    xqf[s] = p.xq + sl.G * 32 + lane;
-  }
+  for (int s = 0; s < MS; ++s) sgn[s] = slots[s < nmine ? s : 0].signs + size_t(min(n0, N - 1) / 16) * p.KB * 32 + lane;
+  // This lane's bit-planes: 2t, 2t+1 (first mma's D columns) and 2t+8, 2t+9 (second); q = Σ w_p·bit_p
+  // with w_15 = −2^15 (two's complement).
+  const int w0 = 1 << (2 * t), w8 = w0 << 8;
+  const int pw[4] = {w0, 2 * w0, w8, t == 3 ? -(1 << 15) : w8 << 1};
 
   float acc[RG][4] = {};
-  int sacc[MAXS > 0 ? MAXS : 1][4] = {};
-  // Each warp walks a contiguous range of 64-column blocks for its slots, kUnroll blocks per batch:
-  // all loads of a batch are issued before the first is used (bytes in flight). The base of that
-  // range is split again among the tile's slot groups: each warp also does W·x over its share
-  // [bb_begin, bb_end), in the same batches (with one warp doing the whole base of a 16-variant
-  // tile, too few of W's bytes were in flight).
-  const int nkb = p.KC;
+  float dacc[MS][RS][2] = {};  // per slot row: this lane's part of rows gid and gid + 8 of the tile
+  // Each warp walks a contiguous range of 256-column blocks. Combined form, per block: W's first
+  // batch of two 64-column steps, the loads of its slots (the sign fragment, and per row its
+  // bit-plane fragment and scale), the rest of the base over the warp's share [bb_begin, bb_end)
+  // batch by batch (all loads of a batch before the first is used), then the delta's 1-bit mma.
+  const int nkb = p.KB;
   const int kb_begin = nkb * kpart / p.k_split, kb_end = nkb * (kpart + 1) / p.k_split;
   const int kbs = kb_end - kb_begin;
-  const int bb_begin = kb_begin + kbs * sgroup / p.slot_groups, bb_end = kb_begin + kbs * (sgroup + 1) / p.slot_groups;
-  if (n0 < N) {
-    for (int kb = kb_begin; kb < kb_end; kb += kUnroll) {
-      uint4 we[kUnroll][2], wf[kUnroll][2], xe[kUnroll][RG], xf[kUnroll][RG];
-      uint32_t sw[kUnroll][MAXS > 0 ? MAXS : 1];
-      uint4 qb[kUnroll][MAXS > 0 ? MAXS : 1];
-      // Block kb + u has base work (warp-uniform).
-      const auto base = [&](int u) { return kb + u < kb_end && kb + u >= bb_begin && kb + u < bb_end; };
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int kbu = min(kb + u, kb_end - 1);
-        const int k = kbu * kKBlock + 8 * ci;
-        if (base(u)) {
-          load_raw<true>(wA, k, K, aligned, we[u][0], wf[u][0]);
-          load_raw<true>(wB, k, K, aligned, we[u][1], wf[u][1]);
-#pragma unroll
-          for (int g = 0; g < RG; ++g) load_raw<false>(xrow[g], k, K, aligned, xe[u][g], xf[u][g]);
-        }
-#pragma unroll
-        for (int s = 0; s < MAXS; ++s) {
-          if (s >= nmine) break;
-          sw[u][s] = ldg_stream32(sgn[s] + size_t(kbu) * 32);
-          if (kb == kb_begin && u == 0 && s == 0) wait_for_prerequisite();
-          qb[u][s] = __ldcg(xqf[s] + size_t(kbu) * p.NG * 32);  // not .nc: written by the prerequisite
-        }
+  // Combined warps (not SPEC): the base of their K range is split among the tile's slot groups.
+  const int bb_begin = SPEC ? 0 : kb_begin + kbs * sgroup / p.slot_groups;
+  const int bb_end = SPEC ? 0 : kb_begin + kbs * (sgroup + 1) / p.slot_groups;
+  if constexpr (SPEC) {
+    if (n0 < N && base_role) {
+      // The base over this warp's 1/base_warps of K, two 64-column steps per batch.
+      const int b0 = nkb * in_tile / p.base_warps, b1 = nkb * (in_tile + 1) / p.base_warps;
+#pragma unroll 1
+      for (int h = b0 * (kDBlock / kKBlock / 2); h < b1 * (kDBlock / kKBlock / 2); ++h) {
+        uint4 we[2][2], wf[2][2], xe[2][RG], xf[2][RG];
+        load_base<RG, 2>(wA, wB, xrow, h * 2 * kKBlock, K, ci, aligned, we, wf, xe, xf);
+        mma_base<RG, 2>(h * 2 * kKBlock, K, we, wf, xe, xf, acc);
       }
+    } else if (n0 < N) {
+      // The delta over this warp's K range for its slots: kDU blocks at a time, all their loads, then
+      // the 1-bit mma (one block in flight per warp left the delta warps waiting on latency).
+      constexpr int kDU = MS * RS > 4 ? 1 : 2;  // (2 spilled with 2 slots of 4 rows)
+      for (int kb0 = kb_begin; kb0 < kb_end; kb0 += kDU) {
+        uint4 sa[kDU][MS], xbf[kDU][MS][RS];
+        float sc[kDU][MS][RS];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (u > 0 && kb + u >= kb_end) break;
-        if (base(u)) {
-          uint32_t wa[8], wb[8], xb[RG][8];
+        for (int d = 0; d < kDU; ++d) {
+          const int kb = min(kb0 + d, kb_end - 1);
+          load_slot_signs<MAXS>(sgn, nmine, kb, sa[d]);
+          if (kb0 == kb_begin && d == 0) wait_for_prerequisite();
+          load_slot_x<MAXS>(p, slots, nmine, kb, lane, xbf[d], sc[d]);
+        }
 #pragma unroll
-          for (int g = 0; g < RG; ++g) make_pairs(xe[u][g], xf[u][g], xb[g]);
-          make_pairs(we[u][0], wf[u][0], wa);
-          make_pairs(we[u][1], wf[u][1], wb);
+        for (int d = 0; d < kDU; ++d) {
+          if (kb0 + d >= kb_end) break;
 #pragma unroll
-          for (int st = 0; st < 4; ++st) {
+          for (int s = 0; s < MAXS; ++s) {
+            if (s >= nmine) break;
 #pragma unroll
-            for (int g = 0; g < RG; ++g)
-              mma_bf16(acc[g], wa[2 * st], wb[2 * st], wa[2 * st + 1], wb[2 * st + 1], xb[g][2 * st],
-                       xb[g][2 * st + 1]);
+            for (int i = 0; i < RS; ++i) {
+              if (!((slots[s].mask >> i) & 1)) continue;
+              delta_block(sa[d][s], xbf[d][s][i], sc[d][s][i], pw, dacc[s][i]);
+            }
           }
         }
-        // Delta: the signs as 0/1 bytes (one shift and one AND per 4) against the quantized rows of
-        // the slot's group (all 4; the epilogue keeps the columns of the slot's rows).
+      }
+    }
+  } else {
+  if (n0 < N) {
+    for (int kb = kb_begin; kb < kb_end; ++kb) {
+      const bool has_base = kb >= bb_begin && kb < bb_end;
+      uint4 we[kU][2], wf[kU][2], xe[kU][RG], xf[kU][RG];
+      const auto load_batch = [&](int h) {
+        load_base<RG, kU>(wA, wB, xrow, kb * kDBlock + kU * h * kKBlock, K, ci, aligned, we, wf, xe, xf);
+      };
+      const auto mma_batch = [&](int h) { mma_base<RG, kU>(kb * kDBlock + kU * h * kKBlock, K, we, wf, xe, xf, acc); };
+      // W's first batch goes out before the slots' loads (and before the first block's wait for the
+      // quantized x).
+      if (has_base) load_batch(0);
+      uint4 sa[MS], xbf[MS][RS];
+      float sc[MS][RS];
+      // The slots' x fragments: with one row per slot, loaded with the signs (in flight during the
+      // base); with 4 rows per slot, after the base (fewer registers live across it).
+      const auto load_x = [&]() { load_slot_x<MAXS>(p, slots, nmine, kb, lane, xbf, sc); };
+      load_slot_signs<MAXS>(sgn, nmine, kb, sa);
+      if (MAXS > 0 && kb == kb_begin) wait_for_prerequisite();
+      if (RS == 1) load_x();
+      if (has_base) {
+        mma_batch(0);
+#pragma unroll 1
+        for (int h = 1; h < kDBlock / kKBlock / kU; ++h) {
+          load_batch(h);
+          mma_batch(h);
+        }
+      }
+      if (RS > 1) load_x();
 #pragma unroll
-        for (int s = 0; s < MAXS; ++s) {
-          if (s >= nmine) break;
-          const uint32_t word = sw[u][s];
-          uint32_t a[8];
+      for (int s = 0; s < MAXS; ++s) {
+        if (s >= nmine) break;
 #pragma unroll
-          for (int j = 0; j < 8; ++j) a[j] = (word >> j) & 0x01010101u;
-          mma_s8(sacc[s], a[0], a[1], a[2], a[3], qb[u][s].x, qb[u][s].y);
-          mma_s8(sacc[s], a[4], a[5], a[6], a[7], qb[u][s].z, qb[u][s].w);
+        for (int i = 0; i < RS; ++i) {
+          if (!((slots[s].mask >> i) & 1)) continue;
+          delta_block(sa[s], xbf[s][i], sc[s][i], pw, dacc[s][i]);
         }
       }
     }
   }
-  // This warp's partial y [row of x][row of the tile]: base, then α·scale·(2·Σb·q − Σq) over its
-  // K range for its slots' rows.
+  }
+  // This warp's partial y [row of x][row of the tile]: base, then α·Σ_blocks scale·(2·Σ w_p·popc − Σq)
+  // over its K range for its slots' rows. (Warps with slots have waited for the prerequisite in the
+  // loop; one with an empty K range reads nothing.)
   float* yw = &ytile[warp][0][0];
 #pragma unroll
   for (int i = 0; i < 8; ++i) yw[lane + 32 * i] = 0.0f;
@@ -231,22 +336,30 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
 #pragma unroll
     for (int i = 0; i < 4; ++i) yw[(8 * g + 2 * t + (i & 1)) * 16 + gid + 8 * (i >> 1)] = acc[g][i];
   __syncwarp();
-  if (MAXS > 0) wait_for_prerequisite();  // (again: a no-op once waited; warps without K blocks)
   if (n0 < N)
 #pragma unroll
     for (int s = 0; s < MAXS; ++s) {
       if (s >= nmine) break;
-      const Slot& sl = slots[s];
-      if (!((sl.rows >> t) & 1)) continue;
-      const int r = 4 * sl.G + t;
-      const long long sum_q = __ldcg(p.xsum + r * (p.KC + 1) + kb_end) - __ldcg(p.xsum + r * (p.KC + 1) + kb_begin);
-      const float scale = __ldcg(p.xscale + r);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int nl = gid + 8 * h, n = n0 + nl;
-        if (n >= N) continue;
-        const long long bq = 256LL * sacc[s][2 * h] + sacc[s][2 * h + 1];
-        yw[r * 16 + nl] += __ldg(p.alpha[r] + (p.alpha_per_row[r] ? n : 0)) * scale * float(2 * bq - sum_q);
+      for (int i = 0; i < RS; ++i) {
+        if (!((slots[s].mask >> i) & 1)) continue;
+        const int r = slots[s].row0 + i;
+        // Σ over the warp's blocks of scale·Σq, the lanes taking blocks in turn.
+        float sq = 0.0f;
+        for (int kb = kb_begin + lane; kb < kb_end; kb += 32) {
+          const float2 v = __ldcg(p.xs + size_t(kb) * p.rows + r);
+          sq += v.x * v.y;
+        }
+        for (int o = 16; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v = dacc[s][i][h];
+          v += __shfl_xor_sync(0xffffffffu, v, 1);
+          v += __shfl_xor_sync(0xffffffffu, v, 2);
+          v = 2.0f * v - sq;
+          const int nl = gid + 8 * h, n = n0 + nl;
+          if (t == 0 && n < N) yw[r * 16 + nl] += __ldg(p.alpha[r] + (p.alpha_per_row[r] ? n : 0)) * v;
+        }
       }
     }
   // Sum the tile's warps, then write y[r][n].
@@ -261,9 +374,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   }
 }
 
-template <int RG, int MAXS>
+template <int RG, int MAXS, int RS, bool SPEC = false>
 void launch(const DecodeParams& p, bool dependent_launch, cudaStream_t stream) {
-  const int tiles = (p.N + 15) / 16, tiles_per_block = kWarps / (p.k_split * p.slot_groups);
+  const int tiles = (p.N + 15) / 16, tiles_per_block = kWarps / (p.base_warps + p.k_split * p.slot_groups);
   const int blocks = (tiles + tiles_per_block - 1) / tiles_per_block;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(unsigned(blocks));
@@ -274,90 +387,89 @@ void launch(const DecodeParams& p, bool dependent_launch, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = MAXS > 0 && dependent_launch ? 1 : 0;  // the quantizing kernel precedes it
-  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_kernel<RG, MAXS>, p));
+  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_kernel<RG, MAXS, RS, SPEC>, p));
 }
 
-// Slots per warp: 1 or 2; more slots go to more warps of the tile (slot_groups), which keeps each
-// warp within 128 registers (two blocks per multiprocessor) without spills (4 slots spilled).
+// Slots per warp (1–8 rows of x): one row per slot, 1 or 2 slots per warp; or, when rows of a variant
+// share a group of 4, one slot per variant and group with up to 4 rows, 1 per warp. More slots go to
+// more warps of the tile (slot_groups). All keep a warp within 128 registers (two blocks per
+// multiprocessor).
 template <int RG>
-void launch_slots(DecodeParams& p, bool dependent_launch, cudaStream_t stream) {
-  const int per_warp = p.nslots == 0 ? 0 : p.nslots == 1 ? 1 : 2;
-  p.slot_groups = per_warp == 0 ? 1 : (p.nslots + per_warp - 1) / per_warp;
-  p.k_split = std::max(1, std::min(p.k_split, kWarps / p.slot_groups));
-  if (per_warp == 0) return launch<RG, 0>(p, dependent_launch, stream);
-  if (per_warp == 1) return launch<RG, 1>(p, dependent_launch, stream);
-  launch<RG, 2>(p, dependent_launch, stream);
+void launch_slots(DecodeParams& p, bool grouped, bool dependent_launch, cudaStream_t stream) {
+  p.base_warps = 0;
+  if (p.nslots == 0) {
+    p.slot_groups = 1;
+    return launch<RG, 0, 1>(p, dependent_launch, stream);
+  }
+  if constexpr (RG == 2) {
+    // 9–16 rows: both the base and the delta at once did not fit 128 registers without a smaller
+    // load batch (slower); so 4 warps of the tile stream W and 4 take the slots (1, 2 or 4 each).
+    // (6 and 2 for up to 4 slots was slower: run 34.)
+    const int delta_warps = kWarps / 2;
+    p.base_warps = kWarps - delta_warps;
+    const int per = p.nslots <= delta_warps ? 1 : p.nslots <= 2 * delta_warps ? 2 : 4;
+    p.slot_groups = (p.nslots + per - 1) / per;
+    p.k_split = delta_warps / p.slot_groups;
+    if (grouped) return per == 1 ? launch<RG, 1, 4, true>(p, dependent_launch, stream)
+                                 : launch<RG, 2, 4, true>(p, dependent_launch, stream);
+    if (per == 1) return launch<RG, 1, 1, true>(p, dependent_launch, stream);
+    if (per == 2) return launch<RG, 2, 1, true>(p, dependent_launch, stream);
+    return launch<RG, 4, 1, true>(p, dependent_launch, stream);
+  } else {
+    const int per_warp = p.nslots == 1 || grouped ? 1 : 2;
+    p.slot_groups = (p.nslots + per_warp - 1) / per_warp;
+    p.k_split = std::max(1, std::min(p.k_split, kWarps / p.slot_groups));
+    if (grouped) return launch<RG, 1, 4>(p, dependent_launch, stream);
+    if (per_warp == 1) return launch<RG, 1, 1>(p, dependent_launch, stream);
+    launch<RG, 2, 1>(p, dependent_launch, stream);
+  }
 }
 
-// One block per padded row of x (4·NG rows): scale, the int8 fragments and prefix sums of q per
-// 64-column chunk. A thread quantizes 4 consecutive columns: one byte of 4 in each of two fragment
-// words (high and low parts), stored whole.
-constexpr int kPrepThreads = 1024;
-__global__ void __launch_bounds__(kPrepThreads) prepare_x_kernel(const __nv_bfloat16* x, int rows, int K, int KC,
-                                                                 int NG, uint32_t* xq, float* xscale, int* xsum) {
-  __shared__ float red[kPrepThreads / 32];
-  __shared__ int chunk_sum[kMaxChunks];
+// One warp per row of x and 256-column block: the block's scale (max |x| / 32767), q = round(x/scale),
+// Σq, and the 16 bit-planes of q as this lane's 1-bit B fragments. Lane ℓ holds columns 32·j + ℓ, so
+// one ballot per plane and j is word j of that plane.
+constexpr int kPrepWarps = 8;
+__global__ void __launch_bounds__(kPrepWarps * 32) prepare_x_kernel(const __nv_bfloat16* x, int rows, int K, int KB,
+                                                                    uint4* xb, float2* xs) {
   allow_dependent_launch();
-  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const bool real = r < rows;
-  const __nv_bfloat16* xr = x + size_t(min(r, rows - 1)) * K;
-  float m = 0.0f;
-  if (real)
-    for (int k = tid; k < K; k += kPrepThreads) m = fmaxf(m, fabsf(__bfloat162float(xr[k])));
-  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  m = 0.0f;
-  for (int i = 0; i < kPrepThreads / 32; ++i) m = fmaxf(m, red[i]);
-  const float inv = m > 0.0f ? float(kQMax) / m : 0.0f;
-  if (real && tid == 0) xscale[r] = m / float(kQMax);
-  const int G = r >> 2, rr = r & 3;
-  const int quads = KC * 16;
-  for (int quad = tid; quad < (quads + 31) / 32 * 32; quad += kPrepThreads) {  // whole warps iterate
-    const int k = 4 * quad;
-    const bool valid = quad < quads;
-    uint32_t hw = 0, lw = 0;
-    int sum = 0;
+  const int lane = threadIdx.x & 31, item = blockIdx.x * kPrepWarps + threadIdx.x / 32;
+  if (item >= rows * KB) return;  // whole warps
+  const int r = item % rows, kb = item / rows, g = lane >> 2, t = lane & 3;
+  const __nv_bfloat16* xr = x + size_t(r) * K + size_t(kb) * kDBlock;
+  const int valid = min(kDBlock, K - kb * kDBlock);
+  float v[8], m = 0.0f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float v = real && k + e < K ? __bfloat162float(xr[k + e]) : 0.0f;
-      const int q = __float2int_rn(v * inv);
-      const int hi = (q + 128) >> 8, lo = q - 256 * hi;
-      hw |= uint32_t(hi & 0xFF) << (8 * e);
-      lw |= uint32_t(lo & 0xFF) << (8 * e);
-      sum += q;
-    }
-    // Fragment word of (row, columns k..k+3): lane 4·(2·rr + part) + tt, word 2·mm + bi.
-    const int kc = k / kKBlock, kk = k % kKBlock, mm = kk >> 5, bi = (kk >> 4) & 1, tt = (kk & 15) >> 2;
-    const size_t base = (size_t(kc) * NG + G) * 32;
-    if (valid) {
-      xq[(base + 4 * (2 * rr) + tt) * 4 + 2 * mm + bi] = hw;
-      xq[(base + 4 * (2 * rr + 1) + tt) * 4 + 2 * mm + bi] = lw;
-    }
-    // The 16 quads of a chunk are 16 consecutive lanes.
-    for (int o = 8; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (valid && (lane & 15) == 0) chunk_sum[kc] = sum;
+  for (int j = 0; j < 8; ++j) {
+    v[j] = 32 * j + lane < valid ? __bfloat162float(xr[32 * j + lane]) : 0.0f;
+    m = fmaxf(m, fabsf(v[j]));
   }
-  __syncthreads();
-  if (!real || warp != 0) return;
-  int carry = 0;  // prefix sums, 32 chunks at a time
-  if (lane == 0) xsum[r * (KC + 1)] = 0;
-  for (int c0 = 0; c0 < KC; c0 += 32) {
-    int v = c0 + lane < KC ? chunk_sum[c0 + lane] : 0;
-    for (int o = 1; o < 32; o <<= 1) {
-      const int n = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += n;
-    }
-    if (c0 + lane < KC) xsum[r * (KC + 1) + c0 + lane + 1] = carry + v;
-    carry += __shfl_sync(0xffffffffu, v, 31);
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float inv = m > 0.0f ? float(kQMax) / m : 0.0f;
+  int q[8], sum = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    q[j] = max(-kQMax, min(kQMax, __float2int_rn(v[j] * inv)));
+    sum += q[j];
   }
+  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  // This lane's fragment: planes g and g + 8, words t and t + 4 (columns 32t.. and 128 + 32t..).
+  uint32_t f[4] = {};
+#pragma unroll
+  for (int pl = 0; pl < 16; ++pl)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t word = __ballot_sync(0xffffffffu, (q[j] >> pl) & 1);
+      if ((pl & 7) == g && (j & 3) == t) f[(pl >> 3) * 2 + (j >> 2)] = word;
+    }
+  xb[(size_t(kb) * rows + r) * 32 + lane] = make_uint4(f[0], f[1], f[2], f[3]);
+  if (lane == 0) xs[size_t(kb) * rows + r] = make_float2(m / float(kQMax), float(sum));
 }
 
-__global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KC, size_t words, uint32_t* out) {
+__global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KB, size_t words, uint32_t* out) {
   const size_t idx = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= words) return;
-  const size_t blk = idx >> 5;
-  out[idx] = packed_sign_word(raw, N, K, int(blk / KC), int(blk % KC), int(idx & 31));
+  const size_t blk = idx >> 7;
+  out[idx] = packed_sign_word(raw, N, K, int(blk / KB), int(blk % KB), int((idx >> 2) & 31), int(idx & 3));
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -409,7 +521,7 @@ void pack_signs(const uint8_t* raw, int N, int K, uint8_t* packed, cudaStream_t 
   if (N < 1 || K < 1) fail("cuda::pack_signs: empty shape [", N, ", ", K, "]");
   if (!aligned16(packed)) fail("cuda::pack_signs: output not 16-byte aligned");
   const size_t words = packed_sign_words(N, K);
-  pack_signs_kernel<<<unsigned((words + 255) / 256), 256, 0, stream>>>(raw, N, K, (K + kKBlock - 1) / kKBlock, words,
+  pack_signs_kernel<<<unsigned((words + 255) / 256), 256, 0, stream>>>(raw, N, K, sign_blocks(K), words,
                                                                        reinterpret_cast<uint32_t*>(packed));
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
@@ -422,8 +534,6 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   if (int(deltas.size()) != rows)
     fail("cuda::fused_linear_decode: ", deltas.size(), " deltas for ", rows, " rows");
   if (N < 1 || K < 1) fail("cuda::fused_linear_decode: empty weight [", N, ", ", K, "]");
-  const int KC = (K + kKBlock - 1) / kKBlock;
-  if (KC > kMaxChunks) fail("cuda::fused_linear_decode: K = ", K, " (at most ", kMaxChunks * kKBlock, ")");
   int k_split = options.k_split;
   if (k_split == 0) k_split = decode_default_k_split(N);
   if (k_split != 1 && k_split != 2 && k_split != 4 && k_split != 8)
@@ -434,13 +544,16 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   p.y = y;
   p.N = N;
   p.K = K;
-  p.KC = KC;
+  p.KB = sign_blocks(K);
   p.rows = rows;
   p.k_split = k_split;
-  // The vector path needs whole 64-column blocks and 16-byte aligned rows.
+  // The vector path needs whole 64-column steps and 16-byte aligned rows.
   p.aligned = K % kKBlock == 0 && aligned16(w) && aligned16(x);
-  // Slots: one per distinct variant and group of 4 rows of x (rows that share signs share alpha).
+  // Rows that share signs must share alpha; one slot per row, or per variant and group of 4 rows when
+  // that saves slots and the groups fit the warps.
   const void* signs_of_row[kMaxRows] = {};
+  Slot by_row[kMaxRows], by_group[kMaxRows];
+  int nrow = 0, ngroup = 0;
   for (int r = 0; r < rows; ++r) {
     const DeltaRef& d = deltas[r];
     if (!d.signs) continue;
@@ -452,31 +565,34 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     signs_of_row[r] = d.signs;
     p.alpha[r] = d.alpha;
     p.alpha_per_row[r] = d.alpha_per_row ? 1 : 0;
-    const auto* sg = reinterpret_cast<const uint32_t*>(d.signs);
+    const auto* sg = reinterpret_cast<const uint4*>(d.signs);
+    by_row[nrow++] = Slot{sg, r, 1u};
     int s = 0;
-    while (s < p.nslots && !(p.slots[s].signs == sg && p.slots[s].G == r / 4)) ++s;
-    if (s == p.nslots) p.slots[p.nslots++] = Slot{sg, r / 4, 0};
-    p.slots[s].rows |= 1u << (r % 4);
+    while (s < ngroup && !(by_group[s].signs == sg && by_group[s].row0 == r / 4 * 4)) ++s;
+    if (s == ngroup) by_group[ngroup++] = Slot{sg, r / 4 * 4, 0};
+    by_group[s].mask |= 1u << (r % 4);
   }
+  if (options.rows_per_slot != 0 && options.rows_per_slot != 1 && options.rows_per_slot != 4)
+    fail("cuda::fused_linear_decode: rows_per_slot ", options.rows_per_slot, " (0, 1 or 4)");
+  const bool grouped = ngroup <= kWarps && (options.rows_per_slot == 4 || (options.rows_per_slot == 0 && ngroup < nrow));
+  p.nslots = grouped ? ngroup : nrow;
+  for (int s = 0; s < p.nslots; ++s) p.slots[s] = grouped ? by_group[s] : by_row[s];
   // The rows of x quantized for the delta term go to a scratch buffer of this stream.
-  p.NG = p.nslots ? (rows + 3) / 4 : 0;
-  const size_t xq_bytes = size_t(KC) * p.NG * 512, scale_off = xq_bytes, sum_off = scale_off + 64;
-  const auto [dependent_launch, scratch] =
-      device_state(stream, p.nslots ? sum_off + size_t(rows) * (KC + 1) * 4 : 0);
+  const size_t xb_bytes = size_t(p.KB) * rows * 512, xs_bytes = size_t(p.KB) * rows * 8;
+  const auto [dependent_launch, scratch] = device_state(stream, p.nslots ? xb_bytes + xs_bytes : 0);
   if (p.nslots) {
     auto* base = static_cast<char*>(scratch);
-    p.xq = reinterpret_cast<const uint4*>(base);
-    p.xscale = reinterpret_cast<const float*>(base + scale_off);
-    p.xsum = reinterpret_cast<const int*>(base + sum_off);
-    prepare_x_kernel<<<unsigned(4 * p.NG), kPrepThreads, 0, stream>>>(x, rows, K, KC, p.NG, reinterpret_cast<uint32_t*>(base),
-                                                          reinterpret_cast<float*>(base + scale_off),
-                                                          reinterpret_cast<int*>(base + sum_off));
+    p.xb = reinterpret_cast<const uint4*>(base);
+    p.xs = reinterpret_cast<const float2*>(base + xb_bytes);
+    const int items = rows * p.KB;
+    prepare_x_kernel<<<unsigned((items + kPrepWarps - 1) / kPrepWarps), kPrepWarps * 32, 0, stream>>>(
+        x, rows, K, p.KB, reinterpret_cast<uint4*>(base), reinterpret_cast<float2*>(base + xb_bytes));
     BITDELTA_CUDA_CHECK_LAUNCH();
   }
   if (rows <= 8)
-    launch_slots<1>(p, dependent_launch, stream);
+    launch_slots<1>(p, grouped, dependent_launch, stream);
   else
-    launch_slots<2>(p, dependent_launch, stream);
+    launch_slots<2>(p, grouped, dependent_launch, stream);
 }
 
 int decode_default_k_split(int) {

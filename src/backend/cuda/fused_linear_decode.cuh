@@ -3,23 +3,25 @@
 //
 // Bytes decide it (decode is memory-bound): per launch the base is read once for all rows and each
 // distinct variant's bits once. The warps of a block share 16-row tiles of W, split along K
-// (k_split) and, with many variants, across them (1–2 variants per warp, the base of the warp's
-// K range split among the warps that share it). Each warp streams its loads straight into registers, two 64-column blocks
-// in flight before the first is used; partial sums meet in shared memory. W_eff is never formed.
-// (A shared-memory pipeline, with per-thread cp.async or with bulk copies, was measured slower:
-// bench/cuda/NOTES.md.)
+// (k_split, in 256-column blocks) and, with many variants, across them (1–2 slots per warp, the base
+// of the warp's K range split among the warps that share it). Each warp streams its loads straight
+// into registers, a batch of them in flight before the first is used; partial sums meet in shared
+// memory. W_eff is never formed. (A shared-memory pipeline, with per-thread cp.async or with bulk
+// copies, was measured slower: bench/cuda/NOTES.md.)
 //
 // Arithmetic, on the tensor cores:
 //   base   bf16 mma.m16n8k16, W rows × x rows, f32 accumulation;
-//   delta  int8 mma.m16n8k32: A = the sign bits as 0/1 bytes, one shift and one AND per 4 signs
-//          (the device sign layout below puts each thread's bits where its mma fragment wants
-//          them); B = x quantized per row to 16-bit integers q = round(x/scale) (scale = max|x|/32512)
-//          and split into two int8 columns (high and low byte), so Σ b·q is exact in int32, and
-//          x·s = scale·(2·Σ b·q − Σ q). The only rounding beyond the base's is x's quantization:
-//          |x − scale·q| ≤ max|x|/65024, i.e. ≤ 1.6e-5 of the row's largest |x| per element.
+//   delta  1-bit mma.m16n8k256 with AND + popcount: A = the sign bits as stored (16 rows × 256
+//          columns per warp and block, no expansion), B = 8 bit-planes of one row of x, quantized
+//          per 256-column block to 16-bit integers q = round(x/scale) (scale = max|x|/32767 over
+//          the block). With plane weights w_p = 2^p (w_15 = −2^15), Σ s·q = 2·Σ_p w_p·popc(s ∧ plane_p)
+//          − Σq, exact in integers; per block it is scaled to float and summed. The only rounding
+//          beyond the base's is x's quantization: |x − scale·q| ≤ max|x|/65534 over the block.
+//          A slot is one variant and one row of x, or, when rows of a variant share a group of 4
+//          rows, that group (its sign loads shared).
 //
-// Sign bits on the device are in a packed layout (packed_signs.h), not the file's: per 16 rows × 64
-// columns, 32 words, word `lane` holding the 32 bits that lane of a warp feeds to two int8 mma.
+// Sign bits on the device are in a packed layout (packed_signs.h), not the file's: the 1-bit mma's A
+// fragments in order, 512 bytes per 16 rows × 256 columns, one 16-byte load per lane.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,6 +38,8 @@ namespace bitdelta::cuda {
 
 struct DecodeOptions {
   int k_split = 0;  // warps that share one 16-row tile along K (1, 2, 4 or 8; 0 = choose)
+  // Slots: 0 = choose; 1 = one per row of x; 4 = one per variant and group of 4 rows (when at most 8).
+  int rows_per_slot = 0;
 };
 
 // w: [N, K] bf16 row-major; x: [rows, K] bf16; y: [rows, N] f32; all device pointers. deltas[r]

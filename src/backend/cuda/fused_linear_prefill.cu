@@ -14,13 +14,13 @@ namespace {
 __global__ void expand_kernel(const __nv_bfloat16* w, int K, const uint8_t* signs,
                               const float* alpha, int per_row, int n0, int rows, int with_base,
                               int aligned, __nv_bfloat16* out) {
-  const int row_bytes = (K + 7) / 8, KC = (K + 63) / 64;
+  const int row_bytes = (K + 7) / 8, KB = sign_blocks(K);
   const size_t total = size_t(rows) * row_bytes;
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += size_t(gridDim.x) * blockDim.x) {
     const int r = int(i / row_bytes), b = int(i % row_bytes), n = n0 + r, k = b * 8;
     const float a = alpha[per_row ? n : 0];
-    const uint32_t bits = packed_sign_byte(reinterpret_cast<const uint32_t*>(signs), KC, n, b);
+    const uint32_t bits = packed_sign_byte(reinterpret_cast<const uint32_t*>(signs), KB, n, b);
     if (aligned) {
       uint4 v = with_base ? __ldg(reinterpret_cast<const uint4*>(w + size_t(n) * K + k))
                           : make_uint4(0, 0, 0, 0);
