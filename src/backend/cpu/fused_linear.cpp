@@ -102,7 +102,8 @@ constexpr size_t kTile = 4;  // batch rows per pass over a block of weights
 // order, into L2, at a rate fixed beforehand. One core on its own keeps too few misses in flight
 // to overlap its compute with memory, so the data of the next phase is requested during the
 // current one: the delta rows' signs during the base tiles, the next weights during the lookups.
-constexpr size_t kPrefetchCols = 64;  // base tile columns per prefetch step
+constexpr size_t kPrefetchCols = 64;   // base tile columns per prefetch step
+constexpr size_t kPrefetchLines = 4;  // most cache lines per prefetch step in the lookups
 class Prefetch {
  public:
   void clear() { ranges_.clear(), lines_ = 0, cur_ = 0, credit_ = 0, rate_ = 0; }
@@ -363,11 +364,15 @@ __attribute__((target("avx2,fma,f16c"))) void linear_rows_avx2(const TensorView&
       for (size_t i = 0; i < rows; i += kTile)
         tile_rows_avx2<T>(wdata, K, N, x, y, all.data() + i, std::min(kTile, rows - i), b0,
                           std::min(s1, b0 + block), pf);
-    // During the lookups (a step per 30 columns and 32 rows): the next super-block's weights.
+    // During the lookups (a step per 30 columns and 32 rows): the next super-block's weights, at most
+    // kPrefetchLines per step (with few delta rows the lookups are short, and a burst of
+    // prefetches would only stall them: the rest comes in with the next base tiles).
     pf.clear();
     if (ndelta && s1 < n1) {
-      pf.add(wdata + s1 * K * esize, (std::min(n1, s1 + kSuperRows) - s1) * K * esize);
-      pf.spread_over(ndelta * C * ((s1 - s0 + 31) / 32));
+      const size_t steps = ndelta * C * ((s1 - s0 + 31) / 32);
+      pf.add(wdata + s1 * K * esize,
+             std::min((std::min(n1, s1 + kSuperRows) - s1) * K * esize, steps * kPrefetchLines * 64));
+      pf.spread_over(steps);
     }
     for (size_t r = 0; r < rows; ++r)
       if (tables[r]) lut_rows_avx2(deltas[r], K, tables[r], s0, s1, y + r * N, pf);
