@@ -192,6 +192,9 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void tile_avx2(const std::byt
   for (; n < n1; ++n) tile_block_avx2<T, NR, 1>(wdata, K, rows, n, pf);
 }
 
+// Output rows per tile for nr batch rows: 4 for 1–2, else 2.
+constexpr size_t tile_outputs(size_t nr) { return nr <= 2 ? 4 : 2; }
+
 // Batch rows idx[0..nr) (nr ≤ kTile) over output rows [b0, b1).
 template <DType T>
 __attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const std::byte* wdata, size_t K,
@@ -211,13 +214,13 @@ __attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const std::byte* wd
   // Enough independent accumulators per tile, within the 16 vector registers.
   switch (nr) {
     case 1:
-      return tile_avx2<T, 1, 4>(wdata, K, sub.template operator()<1>(), b0, b1, pf);
+      return tile_avx2<T, 1, tile_outputs(1)>(wdata, K, sub.template operator()<1>(), b0, b1, pf);
     case 2:
-      return tile_avx2<T, 2, 4>(wdata, K, sub.template operator()<2>(), b0, b1, pf);
+      return tile_avx2<T, 2, tile_outputs(2)>(wdata, K, sub.template operator()<2>(), b0, b1, pf);
     case 3:
-      return tile_avx2<T, 3, 2>(wdata, K, sub.template operator()<3>(), b0, b1, pf);
+      return tile_avx2<T, 3, tile_outputs(3)>(wdata, K, sub.template operator()<3>(), b0, b1, pf);
     default:
-      return tile_avx2<T, 4, 2>(wdata, K, t, b0, b1, pf);
+      return tile_avx2<T, 4, tile_outputs(4)>(wdata, K, t, b0, b1, pf);
   }
 }
 
@@ -342,24 +345,26 @@ __attribute__((target("avx2,fma,f16c"))) void linear_rows_avx2(const TensorView&
       std::max<size_t>(4, (32u << 10) / std::max<size_t>(1, K * dtype_size(w.dtype))) / 4 * 4;
   const size_t esize = dtype_size(w.dtype), C = sign_chunks(K);
   size_t ndelta = 0;
-  for (size_t r = 0; r < rows; ++r) ndelta += tables[r] != nullptr;
+  std::vector<const uint32_t*> distinct;  // the call's distinct packed signs
+  for (size_t r = 0; r < rows; ++r) {
+    if (!tables[r]) continue;
+    ++ndelta;
+    if (std::find(distinct.begin(), distinct.end(), deltas[r].packed) == distinct.end())
+      distinct.push_back(deltas[r].packed);
+  }
+  // Prefetch steps of the base tiles per output row: one per 64 columns and tile of output rows.
+  double steps_per_row = 0;
+  for (size_t i = 0; i < rows; i += kTile)
+    steps_per_row += double(K / kPrefetchCols) / double(tile_outputs(std::min(kTile, rows - i)));
   Prefetch pf;
   for (size_t s0 = n0; s0 < n1; s0 += kSuperRows) {
     const size_t s1 = std::min(n1, s0 + kSuperRows);
-    // During the base tiles: this super-block's signs of every distinct delta (steps: one per 64
-    // columns and tile of output rows, NO = 4 rows for 1–2 batch rows, else 2).
+    // During the base tiles: this super-block's signs of every distinct delta.
     pf.clear();
-    for (size_t r = 0; r < rows; ++r) {
-      if (!tables[r] || std::any_of(deltas, deltas + r, [&](const DeltaRef& d) { return d.packed == deltas[r].packed; }))
-        continue;
-      const size_t w0 = s0 / kSignRowBlock * C * kSignRowBlock;
-      const size_t w1 = (s1 + kSignRowBlock - 1) / kSignRowBlock * C * kSignRowBlock;
-      pf.add(deltas[r].packed + w0, (w1 - w0) * 4);
-    }
-    size_t steps = 0;
-    for (size_t i = 0; i < rows; i += kTile)
-      steps += (s1 - s0 + 3) / (std::min(kTile, rows - i) <= 2 ? 4 : 2) * (K / kPrefetchCols);
-    pf.spread_over(steps);
+    const size_t w0 = s0 / kSignRowBlock * C * kSignRowBlock;
+    const size_t w1 = (s1 + kSignRowBlock - 1) / kSignRowBlock * C * kSignRowBlock;
+    for (const uint32_t* packed : distinct) pf.add(packed + w0, (w1 - w0) * 4);
+    pf.spread_over(size_t(steps_per_row * double(s1 - s0)));
     for (size_t b0 = s0; b0 < s1; b0 += block)
       for (size_t i = 0; i < rows; i += kTile)
         tile_rows_avx2<T>(wdata, K, N, x, y, all.data() + i, std::min(kTile, rows - i), b0,

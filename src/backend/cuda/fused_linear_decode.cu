@@ -161,6 +161,19 @@ __device__ __forceinline__ void delta_block(const uint4& a, const uint4& b, floa
   acc[1] += scale * float(pw[0] * lo[2] + pw[1] * lo[3] + pw[2] * hi[2] + pw[3] * hi[3]);
 }
 
+// f(s, i, r) for each row r of x that a warp's slots take: slot s < nmine, its i-th row (bit i of the
+// slot's mask). Warp-uniform.
+template <int MAXS, int RS, typename F>
+__device__ __forceinline__ void for_slot_rows(const Slot* slots, int nmine, F&& f) {
+#pragma unroll
+  for (int s = 0; s < MAXS; ++s) {
+    if (s >= nmine) break;
+#pragma unroll
+    for (int i = 0; i < RS; ++i)
+      if ((slots[s].mask >> i) & 1) f(s, i, slots[s].row0 + i);
+  }
+}
+
 // The sign fragments of a block for a warp's slots (this lane's 16 bytes each).
 template <int MAXS, int MS>
 __device__ __forceinline__ void load_slot_signs(const uint4* const (&sgn)[MS], int nmine, int kb, uint4 (&sa)[MS]) {
@@ -176,17 +189,10 @@ __device__ __forceinline__ void load_slot_signs(const uint4* const (&sgn)[MS], i
 template <int MAXS, int MS, int RS>
 __device__ __forceinline__ void load_slot_x(const DecodeParams& p, const Slot* slots, int nmine, int kb, int lane,
                                             uint4 (&xbf)[MS][RS], float (&sc)[MS][RS]) {
-#pragma unroll
-  for (int s = 0; s < MAXS; ++s) {
-    if (s >= nmine) break;
-#pragma unroll
-    for (int i = 0; i < RS; ++i) {
-      if (!((slots[s].mask >> i) & 1)) continue;
-      const int r = slots[s].row0 + i;
-      xbf[s][i] = __ldcg(p.xb + (size_t(kb) * p.rows + r) * 32 + lane);
-      sc[s][i] = __ldcg(&p.xs[size_t(kb) * p.rows + r].x);
-    }
-  }
+  for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int r) {
+    xbf[s][i] = __ldcg(p.xb + (size_t(kb) * p.rows + r) * 32 + lane);
+    sc[s][i] = __ldcg(&p.xs[size_t(kb) * p.rows + r].x);
+  });
 }
 
 // Warps of one 16-row tile split its work along K (k_split, in 256-column blocks) and across slots
@@ -246,13 +252,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   const int bb_end = SPEC ? 0 : kb_begin + kbs * (sgroup + 1) / p.slot_groups;
   if constexpr (SPEC) {
     if (n0 < N && base_role) {
-      // The base over this warp's 1/base_warps of K, two 64-column steps per batch.
+      // The base over this warp's 1/base_warps of K, batch by batch.
+      constexpr int kBatches = kDBlock / kKBlock / kU;  // per block
       const int b0 = nkb * in_tile / p.base_warps, b1 = nkb * (in_tile + 1) / p.base_warps;
 #pragma unroll 1
-      for (int h = b0 * (kDBlock / kKBlock / 2); h < b1 * (kDBlock / kKBlock / 2); ++h) {
-        uint4 we[2][2], wf[2][2], xe[2][RG], xf[2][RG];
-        load_base<RG, 2>(wA, wB, xrow, h * 2 * kKBlock, K, ci, aligned, we, wf, xe, xf);
-        mma_base<RG, 2>(h * 2 * kKBlock, K, we, wf, xe, xf, acc);
+      for (int h = b0 * kBatches; h < b1 * kBatches; ++h) {
+        uint4 we[kU][2], wf[kU][2], xe[kU][RG], xf[kU][RG];
+        load_base<RG, kU>(wA, wB, xrow, h * kU * kKBlock, K, ci, aligned, we, wf, xe, xf);
+        mma_base<RG, kU>(h * kU * kKBlock, K, we, wf, xe, xf, acc);
       }
     } else if (n0 < N) {
       // The delta over this warp's K range for its slots: kDU blocks at a time, all their loads, then
@@ -271,15 +278,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
 #pragma unroll
         for (int d = 0; d < kDU; ++d) {
           if (kb0 + d >= kb_end) break;
-#pragma unroll
-          for (int s = 0; s < MAXS; ++s) {
-            if (s >= nmine) break;
-#pragma unroll
-            for (int i = 0; i < RS; ++i) {
-              if (!((slots[s].mask >> i) & 1)) continue;
-              delta_block(sa[d][s], xbf[d][s][i], sc[d][s][i], pw, dacc[s][i]);
-            }
-          }
+          for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int) {
+            delta_block(sa[d][s], xbf[d][s][i], sc[d][s][i], pw, dacc[s][i]);
+          });
         }
       }
     }
@@ -312,15 +313,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
         }
       }
       if (RS > 1) load_x();
-#pragma unroll
-      for (int s = 0; s < MAXS; ++s) {
-        if (s >= nmine) break;
-#pragma unroll
-        for (int i = 0; i < RS; ++i) {
-          if (!((slots[s].mask >> i) & 1)) continue;
-          delta_block(sa[s], xbf[s][i], sc[s][i], pw, dacc[s][i]);
-        }
-      }
+      for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int) {
+        delta_block(sa[s], xbf[s][i], sc[s][i], pw, dacc[s][i]);
+      });
     }
   }
   }
@@ -337,31 +332,24 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
     for (int i = 0; i < 4; ++i) yw[(8 * g + 2 * t + (i & 1)) * 16 + gid + 8 * (i >> 1)] = acc[g][i];
   __syncwarp();
   if (n0 < N)
-#pragma unroll
-    for (int s = 0; s < MAXS; ++s) {
-      if (s >= nmine) break;
-#pragma unroll
-      for (int i = 0; i < RS; ++i) {
-        if (!((slots[s].mask >> i) & 1)) continue;
-        const int r = slots[s].row0 + i;
-        // Σ over the warp's blocks of scale·Σq, the lanes taking blocks in turn.
-        float sq = 0.0f;
-        for (int kb = kb_begin + lane; kb < kb_end; kb += 32) {
-          const float2 v = __ldcg(p.xs + size_t(kb) * p.rows + r);
-          sq += v.x * v.y;
-        }
-        for (int o = 16; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float v = dacc[s][i][h];
-          v += __shfl_xor_sync(0xffffffffu, v, 1);
-          v += __shfl_xor_sync(0xffffffffu, v, 2);
-          v = 2.0f * v - sq;
-          const int nl = gid + 8 * h, n = n0 + nl;
-          if (t == 0 && n < N) yw[r * 16 + nl] += __ldg(p.alpha[r] + (p.alpha_per_row[r] ? n : 0)) * v;
-        }
+    for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int r) {
+      // Σ over the warp's blocks of scale·Σq, the lanes taking blocks in turn.
+      float sq = 0.0f;
+      for (int kb = kb_begin + lane; kb < kb_end; kb += 32) {
+        const float2 v = __ldcg(p.xs + size_t(kb) * p.rows + r);
+        sq += v.x * v.y;
       }
-    }
+      for (int o = 16; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = dacc[s][i][h];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        v = 2.0f * v - sq;
+        const int nl = gid + 8 * h, n = n0 + nl;
+        if (t == 0 && n < N) yw[r * 16 + nl] += __ldg(p.alpha[r] + (p.alpha_per_row[r] ? n : 0)) * v;
+      }
+    });
   // Sum the tile's warps, then write y[r][n].
   __syncthreads();
   if (in_tile != 0 || n0 >= N) return;
