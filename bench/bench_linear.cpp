@@ -78,6 +78,7 @@ Setup make_setup(size_t N, size_t K, size_t variants) {
 void BM_Linear(benchmark::State& state) {
   const size_t N = size_t(state.range(0)), K = size_t(state.range(1));
   const size_t rows = size_t(state.range(2)), variants = size_t(state.range(3));
+  const auto isa = cpu::Isa(state.range(4));
   Setup s = make_setup(N, K, variants);
   std::vector<float> x(rows * K), y(rows * N);
   std::mt19937 rng(2);
@@ -90,7 +91,7 @@ void BM_Linear(benchmark::State& state) {
                                       s.signs[copy][r % variants].get()}
                            : DeltaRef{};
     const TensorView w{DType::BF16, {N, K}, std::as_bytes(std::span(s.w[copy]))};
-    cpu::fused_linear(w, x, rows, deltas, nullptr, y, pool());
+    cpu::fused_linear(w, x, rows, deltas, nullptr, y, pool(), isa);
     copy = (copy + 1) % s.copies;
   }
   const double bytes = double(N * K * 2) + double(variants) * double(cpu::packed_sign_words(N, K) * 4 + N * 4);
@@ -108,6 +109,7 @@ void BM_Linear(benchmark::State& state) {
 void BM_LinearHot(benchmark::State& state) {
   const size_t N = size_t(state.range(0)), K = size_t(state.range(1));
   const size_t rows = size_t(state.range(2)), variants = size_t(state.range(3));
+  const auto isa = cpu::Isa(state.range(4));
   std::mt19937 rng(1);
   std::vector<uint16_t> w(N * K);
   for (auto& v : w) v = f32_to_bf16(float(int(rng() % 2001) - 1000) * 1e-4f);
@@ -125,7 +127,7 @@ void BM_LinearHot(benchmark::State& state) {
     if (variants) deltas[r] = DeltaRef{nullptr, alpha.data(), true, signs[r % variants].get()};
   const TensorView wv{DType::BF16, {N, K}, std::as_bytes(std::span(w))};
   ThreadPool one(1);
-  for (auto _ : state) cpu::fused_linear(wv, x, rows, deltas, nullptr, y, one);
+  for (auto _ : state) cpu::fused_linear(wv, x, rows, deltas, nullptr, y, one, isa);
   state.counters["Gw/s"] =
       benchmark::Counter(double(N * K) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["DRAM_Gw/s"] = g_read_bw / double(kThreads) / 2 / 1e9;
@@ -138,24 +140,36 @@ int main(int argc, char** argv) {
   g_read_bw = measure_read_bandwidth();
   std::printf("measured read bandwidth (%zu threads, 1 GiB, best of 5): %.2f GB/s\n", kThreads,
               g_read_bw / 1e9);
+  // Every SIMD instruction set this CPU has (BITDELTA_CPU_ISA caps it), the widest first: on an
+  // AVX-512 machine the AVX2 kernels run beside the AVX-512 ones in the same process.
+  std::vector<cpu::Isa> isas;
+  for (cpu::Isa isa : {cpu::Isa::avx512, cpu::Isa::avx2})
+    if (isa <= cpu::best_isa() && cpu::cpu_has(isa)) isas.push_back(isa);
+  if (isas.empty()) isas.push_back(cpu::Isa::scalar);
+  std::printf("instruction sets:");
+  for (cpu::Isa isa : isas) std::printf(" %s", cpu::isa_name(isa));
+  std::printf("\n");
+  const auto suffix = [](cpu::Isa isa) { return std::string("/isa:") + cpu::isa_name(isa); };
   for (auto [N, K] : {std::pair<long, long>{4096, 4096}, {11008, 4096}}) {
     for (auto [rows, variants] : {std::pair<long, long>{1, 0}, {1, 1}, {8, 0}, {8, 8}}) {
-      const std::string name = std::string(variants ? "fused" : "base") +
-                               "/rows:" + std::to_string(rows) +
-                               "/variants:" + std::to_string(variants);
-      benchmark::RegisterBenchmark(name.c_str(), BM_Linear)
-          ->Args({N, K, rows, variants})
-          ->Unit(benchmark::kMicrosecond)
-          ->UseRealTime();
+      for (cpu::Isa isa : isas) {
+        const std::string name = std::string(variants ? "fused" : "base") + "/rows:" + std::to_string(rows) +
+                                 "/variants:" + std::to_string(variants) + suffix(isa);
+        benchmark::RegisterBenchmark(name.c_str(), BM_Linear)
+            ->Args({N, K, rows, variants, long(isa)})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
+      }
     }
   }
   for (auto [rows, variants] : {std::pair<long, long>{1, 0}, {1, 1}, {8, 0}, {8, 8}}) {
-    const std::string name = std::string("hot/") + (variants ? "fused" : "base") +
-                             "/rows:" + std::to_string(rows) +
-                             "/variants:" + std::to_string(variants);
-    benchmark::RegisterBenchmark(name.c_str(), BM_LinearHot)
-        ->Args({32, 4096, rows, variants})
-        ->Unit(benchmark::kMicrosecond);  // one thread: CPU time, robust to other load
+    for (cpu::Isa isa : isas) {
+      const std::string name = std::string("hot/") + (variants ? "fused" : "base") + "/rows:" +
+                               std::to_string(rows) + "/variants:" + std::to_string(variants) + suffix(isa);
+      benchmark::RegisterBenchmark(name.c_str(), BM_LinearHot)
+          ->Args({32, 4096, rows, variants, long(isa)})
+          ->Unit(benchmark::kMicrosecond);  // one thread: CPU time, robust to other load
+    }
   }
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <random>
 
 #include "backend/cpu/fused_linear.h"
@@ -66,30 +67,72 @@ TEST(FusedLinear, RefusesDeltaWithoutPackedSigns) {
   }
 }
 
-// got (SIMD tiles / GEMM) and the plain loops against the reference, for every output.
+// The instruction sets this CPU runs: each is checked against the reference (an AVX-512 machine
+// checks all three; one without checks scalar and AVX2 and says so once).
+std::vector<Isa> isas_here() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512})
+    if (cpu_has(isa)) out.push_back(isa);
+  static const bool said = [] {
+    for (Isa isa : {Isa::avx2, Isa::avx512})
+      if (!cpu_has(isa)) std::printf("note: this CPU lacks %s; its kernels are not run here\n", isa_name(isa));
+    return true;
+  }();
+  (void)said;
+  return out;
+}
+
+// Every instruction set's kernels (SIMD tiles / GEMM; plain loops for scalar) against the
+// reference, for every output.
 void expect_matches_reference(const test::HostTensor& w, const std::vector<float>& x, size_t rows,
                               const std::vector<DeltaRef>& refs, const float* bias,
                               ThreadPool& pool) {
   const size_t N = w.shape[0], K = w.shape[1];
   const TensorView wv{w.dtype, w.shape, w.bytes};
-  std::vector<float> got(rows * N, NAN), plain(rows * N, NAN), ref(rows * N);
-  fused_linear(wv, x, rows, refs, bias, got, pool);
-  fused_linear(wv, x, rows, refs, bias, plain, pool, /*simd=*/false);
+  std::vector<float> ref(rows * N);
   fused_linear_reference(wv, x, rows, refs, bias, ref);
   const auto wf = w.floats();
-  for (size_t r = 0; r < rows; ++r)
-    for (size_t n = 0; n < N; ++n) {
-      // f32 accumulation of K products: error below K·2⁻²⁴·Σ|w_eff·x|, with |w_eff| ≤ |w| + α and
-      // α < 0.02 here (the lookup-table paths sum x·W and x·S separately, each within that bound).
-      double scale = 0;
-      for (size_t k = 0; k < K; ++k)
-        scale += std::fabs((std::fabs(wf[n * K + k]) + 0.02) * x[r * K + k]);
-      ASSERT_NEAR(got[r * N + n], ref[r * N + n], 1.2e-7 * double(K) * scale + 1e-6)
-          << dtype_name(w.dtype) << " N=" << N << " K=" << K << " rows=" << rows << " r=" << r
-          << " n=" << n;
-      ASSERT_NEAR(plain[r * N + n], ref[r * N + n], 1.2e-7 * double(K) * scale + 1e-6)
-          << "plain loops: " << dtype_name(w.dtype) << " N=" << N << " K=" << K << " rows=" << rows;
+  for (Isa isa : isas_here()) {
+    std::vector<float> got(rows * N, NAN);
+    fused_linear(wv, x, rows, refs, bias, got, pool, isa);
+    for (size_t r = 0; r < rows; ++r)
+      for (size_t n = 0; n < N; ++n) {
+        // f32 accumulation of K products: error below K·2⁻²⁴·Σ|w_eff·x|, with |w_eff| ≤ |w| + α and
+        // α < 0.02 here (the lookup-table paths sum x·W and x·S separately, each within that bound).
+        double scale = 0;
+        for (size_t k = 0; k < K; ++k)
+          scale += std::fabs((std::fabs(wf[n * K + k]) + 0.02) * x[r * K + k]);
+        ASSERT_NEAR(got[r * N + n], ref[r * N + n], 1.2e-7 * double(K) * scale + 1e-6)
+            << isa_name(isa) << " " << dtype_name(w.dtype) << " N=" << N << " K=" << K << " rows=" << rows
+            << " r=" << r << " n=" << n;
+      }
+  }
+}
+
+TEST(FusedLinear, InstructionSetsByName) {
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) EXPECT_EQ(parse_isa(isa_name(isa)), isa);
+  EXPECT_TRUE(cpu_has(Isa::scalar));
+  EXPECT_TRUE(cpu_has(best_isa()));
+  try {
+    parse_isa("avx1024");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown CPU instruction set 'avx1024'"), std::string::npos) << e.what();
+  }
+  // Asking for a set this CPU lacks is an error, not a crash.
+  for (Isa isa : {Isa::avx2, Isa::avx512}) {
+    if (cpu_has(isa)) continue;
+    ThreadPool pool(1);
+    const auto w = test::HostTensor::from_floats(DType::F32, {4, 8}, test::random_floats(32, 2));
+    std::vector<float> x(8, 1.0f), y(4);
+    const std::vector<DeltaRef> refs(1);
+    try {
+      fused_linear({w.dtype, w.shape, w.bytes}, x, 1, refs, nullptr, y, pool, isa);
+      FAIL() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("lacks the"), std::string::npos) << e.what();
     }
+  }
 }
 
 TEST(FusedLinear, MatchesReferenceOnRandomShapesAndMixedVariants) {
@@ -98,7 +141,7 @@ TEST(FusedLinear, MatchesReferenceOnRandomShapesAndMixedVariants) {
   for (DType dtype : {DType::BF16, DType::F16, DType::F32}) {
     for (auto [N, K] :
          {std::pair<size_t, size_t>{1, 1}, {7, 13}, {33, 64}, {64, 77}, {130, 255}, {17, 1000}}) {
-      for (size_t rows : {1, 3, 4, 5, 9, 16}) {  // < 16 rows: SIMD tiles; 16: the GEMM path
+      for (size_t rows : {1, 2, 3, 4, 5, 9, 16}) {  // < 16 rows: SIMD tiles; 16: the GEMM path
         const auto w =
             test::HostTensor::from_floats(dtype, {N, K}, test::random_floats(N * K, rng(), 0.1f));
         const auto x = test::random_floats(rows * K, rng());

@@ -76,27 +76,10 @@ void linear_rows_scalar(const TensorView& w, const float* x, size_t rows, const 
   }
 }
 
-// --- AVX2 path --------------------------------------------------------------------------------
+// --- SIMD paths: the kernels of fused_linear_simd.inc, once per vector width ----------------------
 
-template <DType T>
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 load8(const std::byte* p) {
-  if constexpr (T == DType::BF16)
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-  else if constexpr (T == DType::F16)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  else
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-}
-
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-constexpr size_t kTile = 4;  // batch rows per pass over a block of weights
+// Output rows per super-block: the unit of work of a thread, a multiple of the row block.
+constexpr size_t kSuperRows = 32;
 
 // Software prefetch spread over the steps of a loop: cache lines from a list of byte ranges, in
 // order, into L2, at a rate fixed beforehand. One core on its own keeps too few misses in flight
@@ -137,92 +120,13 @@ template <size_t NR>
 struct TileRows {
   const float* x[NR];
   float* y[NR];
-};
-
-// 8 weights (k .. k+7) of the NO output rows for the NR batch rows of a tile.
-template <DType T, size_t NR, size_t NO>
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_step(
-    const std::byte* const (&wrow)[NO], const TileRows<NR>& rows, __m256 (&acc)[NR][NO], size_t k) {
-  constexpr size_t esize = T == DType::F32 ? 4 : 2;
-  __m256 wv[NO];
-  for (size_t o = 0; o < NO; ++o) wv[o] = load8<T>(wrow[o] + k * esize);
-  for (size_t r = 0; r < NR; ++r) {
-    const __m256 xv = _mm256_loadu_ps(rows.x[r] + k);
-    for (size_t o = 0; o < NO; ++o) acc[r][o] = _mm256_fmadd_ps(wv[o], xv, acc[r][o]);
-  }
-}
-
-// x·W_baseᵀ for NO output rows (n .. n+NO−1) and NR batch rows, written to y. Each weight load
-// feeds NR fused multiply-adds and each x load NO of them; the NR·NO accumulator chains are
-// independent, which hides the FMA latency.
-template <DType T, size_t NR, size_t NO>
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_block_avx2(
-    const std::byte* wdata, size_t K, const TileRows<NR>& rows, size_t n, Prefetch& pf) {
-  constexpr size_t esize = T == DType::F32 ? 4 : 2;
-  const size_t K8 = K / 8 * 8;
-  __m256 acc[NR][NO];
-  const std::byte* wrow[NO];
-  for (size_t o = 0; o < NO; ++o) wrow[o] = wdata + (n + o) * K * esize;
-  for (size_t r = 0; r < NR; ++r)
-    for (size_t o = 0; o < NO; ++o) acc[r][o] = _mm256_setzero_ps();
-  for (size_t k0 = 0; k0 < K8; k0 += kPrefetchCols) {  // a prefetch step per 64 columns
-    pf.step();
-    const size_t k1 = std::min(K8, k0 + kPrefetchCols);
-    for (size_t k = k0; k < k1; k += 8) tile_step<T, NR, NO>(wrow, rows, acc, k);
-  }
-  for (size_t o = 0; o < NO; ++o) {
-    float tail[8] = {};
-    if (K8 < K) to_f32(T, wrow[o] + K8 * esize, tail, K - K8);
-    for (size_t r = 0; r < NR; ++r) {
-      float a = hsum(acc[r][o]);
-      for (size_t k = K8; k < K; ++k) a += tail[k - K8] * rows.x[r][k];
-      rows.y[r][n + o] = a;
-    }
-  }
-}
-
-// Output rows [n0, n1) for NR batch rows: NO output rows at a time, then the rest one by one.
-// Not inlined: with every shape inlined into one function the 8-row base tile ran at half speed.
-template <DType T, size_t NR, size_t NO>
-__attribute__((target("avx2,fma,f16c"), noinline)) void tile_avx2(const std::byte* wdata, size_t K,
-                                                                  const TileRows<NR>& rows,
-                                                                  size_t n0, size_t n1, Prefetch& pf) {
-  size_t n = n0;
-  for (; n + NO <= n1; n += NO) tile_block_avx2<T, NR, NO>(wdata, K, rows, n, pf);
-  for (; n < n1; ++n) tile_block_avx2<T, NR, 1>(wdata, K, rows, n, pf);
-}
-
-// Output rows per tile for nr batch rows: 4 for 1–2, else 2.
-constexpr size_t tile_outputs(size_t nr) { return nr <= 2 ? 4 : 2; }
-
-// Batch rows idx[0..nr) (nr ≤ kTile) over output rows [b0, b1).
-template <DType T>
-__attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const std::byte* wdata, size_t K,
-                                                             size_t N, const float* x, float* y,
-                                                             const size_t* idx, size_t nr,
-                                                             size_t b0, size_t b1, Prefetch& pf) {
-  TileRows<kTile> t{};
-  for (size_t i = 0; i < nr; ++i) {
-    t.x[i] = x + idx[i] * K;
-    t.y[i] = y + idx[i] * N;
-  }
-  const auto sub = [&]<size_t NR>() {
-    TileRows<NR> s;
-    for (size_t i = 0; i < NR; ++i) s.x[i] = t.x[i], s.y[i] = t.y[i];
+  template <size_t M>
+  TileRows<M> first() const {
+    TileRows<M> s;
+    for (size_t i = 0; i < M; ++i) s.x[i] = x[i], s.y[i] = y[i];
     return s;
-  };
-  // Enough independent accumulators per tile, within the 16 vector registers.
-  switch (nr) {
-    case 1:
-      return tile_avx2<T, 1, tile_outputs(1)>(wdata, K, sub.template operator()<1>(), b0, b1, pf);
-    case 2:
-      return tile_avx2<T, 2, tile_outputs(2)>(wdata, K, sub.template operator()<2>(), b0, b1, pf);
-    case 3:
-      return tile_avx2<T, 3, tile_outputs(3)>(wdata, K, sub.template operator()<3>(), b0, b1, pf);
-    default:
-      return tile_avx2<T, 4, tile_outputs(4)>(wdata, K, t, b0, b1, pf);
   }
-}
+};
 
 // --- the delta term through lookup tables -------------------------------------------------------
 
@@ -251,162 +155,97 @@ __attribute__((target("avx2,fma"))) void build_table_avx2(const float* x, size_t
   }
 }
 
-// S·x for the 8·NB output rows of row blocks b .. b+NB−1 (lane r of out[i]: row 8(b+i)+r). Per
-// 3 columns and block: a shift, a vpermps (the table vector indexed by the 3 sign bits in each
-// lane) and an add; the table vector is loaded once for the NB blocks.
-template <size_t NB>
-__attribute__((target("avx2,fma"), always_inline)) inline void lut_blocks(const uint32_t* packed, size_t C,
-                                                                         const float* T, size_t b,
-                                                                         __m256 (&out)[NB], Prefetch& pf) {
-  __m256 even[NB], odd[NB];  // two accumulator chains per block (groups 2j and 2j+1)
-  const uint32_t* wp[NB];
-  for (size_t i = 0; i < NB; ++i) {
-    even[i] = odd[i] = _mm256_setzero_ps();
-    wp[i] = packed + (b + i) * C * kSignRowBlock;
-  }
-  for (size_t c = 0; c < C; ++c) {
-    __m256i bits[NB];
-    for (size_t i = 0; i < NB; ++i)
-      bits[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp[i] + c * kSignRowBlock));
-    const float* t = T + c * kGroups * 8;
-    pf.step();
-#pragma GCC unroll 5
-    for (size_t j = 0; j < kGroups; j += 2) {
-      const __m256 t0 = _mm256_load_ps(t + j * 8), t1 = _mm256_load_ps(t + j * 8 + 8);
-      for (size_t i = 0; i < NB; ++i) {
-        // even += T[bits & 7]; odd += T'[(bits >> 3) & 7]; bits >>= 6. As one asm block: written
-        // with intrinsics, GCC computed all 40 lookups of a chunk first and spilled them.
-        __m256 p, q;
-        asm("vpermps %[t0], %[b], %[p]\n\t"
-            "vaddps %[p], %[e], %[e]\n\t"
-            "vpsrld $3, %[b], %[q]\n\t"
-            "vpermps %[t1], %[q], %[q]\n\t"
-            "vaddps %[q], %[o], %[o]\n\t"
-            "vpsrld $6, %[b], %[b]"
-            : [e] "+x"(even[i]), [o] "+x"(odd[i]), [b] "+x"(bits[i]), [p] "=&x"(p), [q] "=&x"(q)
-            : [t0] "x"(t0), [t1] "x"(t1));
-      }
-    }
-  }
-  for (size_t i = 0; i < NB; ++i) out[i] = _mm256_add_ps(even[i], odd[i]);
-}
+// Output rows per tile for nr batch rows, within 16 vector registers (nr·outputs accumulators,
+// `outputs` weight vectors and one x vector): 4 for 1–2 rows, else 2.
+constexpr size_t tile_outputs_16regs(size_t nr) { return nr <= 2 ? 4 : 2; }
 
-// y[n] += α_n·(S·x)_n for the 8 rows of block b that are below n1.
-__attribute__((target("avx2,fma"), always_inline)) inline void add_delta8(const DeltaRef& d, size_t b,
-                                                                         size_t n1, __m256 sx, float* y) {
-  const size_t n = b * kSignRowBlock;
-  if (n + 8 <= n1) {
-    const __m256 a = d.alpha_per_row ? _mm256_loadu_ps(d.alpha + n) : _mm256_set1_ps(load_alpha(d, 0));
-    _mm256_storeu_ps(y + n, _mm256_fmadd_ps(a, sx, _mm256_loadu_ps(y + n)));
-    return;
+namespace avx2 {
+#define BD_TARGET "avx2,fma,f16c"
+struct Vec {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr size_t L = 8, kTileRows = 4;
+  static constexpr size_t outputs(size_t nr) { return tile_outputs_16regs(nr); }
+#define BD_V __attribute__((target(BD_TARGET), always_inline)) static inline
+  BD_V F zero() { return _mm256_setzero_ps(); }
+  BD_V F loadu(const float* p) { return _mm256_loadu_ps(p); }
+  BD_V void storeu(float* p, F v) { _mm256_storeu_ps(p, v); }
+  BD_V F set1(float v) { return _mm256_set1_ps(v); }
+  BD_V F add(F a, F b) { return _mm256_add_ps(a, b); }
+  BD_V F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  BD_V float hsum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
   }
-  alignas(32) float v[8];
-  _mm256_store_ps(v, sx);
-  for (size_t i = 0; n + i < n1; ++i) y[n + i] += load_alpha(d, n + i) * v[i];
-}
+  template <DType T>
+  BD_V F load_w(const std::byte* p) {
+    if constexpr (T == DType::BF16)
+      return _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+    else if constexpr (T == DType::F16)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    else
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+  BD_V I load_bits(const uint32_t* p, size_t, size_t) {  // one row block per vector
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  BD_V F load_table(const float* t) { return _mm256_load_ps(t); }
+#undef BD_V
+};
+#include "fused_linear_simd.inc"
+#undef BD_TARGET
+}  // namespace avx2
 
-// y[n] += α_n·(S·x)_n for output rows [n0, n1), n0 a multiple of 8; y is the batch row's output.
-__attribute__((target("avx2,fma"), noinline)) void lut_rows_avx2(const DeltaRef& d, size_t K,
-                                                                 const float* T, size_t n0, size_t n1,
-                                                                 float* y, Prefetch& pf) {
-  const size_t C = sign_chunks(K), b1 = (n1 + kSignRowBlock - 1) / kSignRowBlock;
-  size_t b = n0 / kSignRowBlock;
-  for (; b + 4 <= b1; b += 4) {
-    __m256 sx[4];
-    lut_blocks<4>(d.packed, C, T, b, sx, pf);
-    for (size_t i = 0; i < 4; ++i) add_delta8(d, b + i, n1, sx[i], y);
+// AVX-512 (F, BW, VL): 16 lanes and 32 vector registers. The lookups take two row blocks per
+// vpermps (16 rows × 3 columns); the tiles up to 4 batch rows × 4 output rows.
+// GCC 12 warns "__Y may be used uninitialized" inside its own AVX-512 intrinsics (the
+// _mm512_undefined_* they start from): a false positive of the header, silenced here only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace avx512 {
+#define BD_TARGET "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+struct Vec {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr size_t L = 16, kTileRows = 4;
+  static constexpr size_t outputs(size_t) { return 4; }
+#define BD_V __attribute__((target(BD_TARGET), always_inline)) static inline
+  BD_V F zero() { return _mm512_setzero_ps(); }
+  BD_V F loadu(const float* p) { return _mm512_loadu_ps(p); }
+  BD_V void storeu(float* p, F v) { _mm512_storeu_ps(p, v); }
+  BD_V F set1(float v) { return _mm512_set1_ps(v); }
+  BD_V F add(F a, F b) { return _mm512_add_ps(a, b); }
+  BD_V F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  BD_V float hsum(F v) { return _mm512_reduce_add_ps(v); }
+  template <DType T>
+  BD_V F load_w(const std::byte* p) {
+    if constexpr (T == DType::BF16)
+      return _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    else if constexpr (T == DType::F16)
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    else
+      return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
   }
-  for (; b < b1; ++b) {
-    __m256 sx[1];
-    lut_blocks<1>(d.packed, C, T, b, sx, pf);
-    add_delta8(d, b, n1, sx[0], y);
+  // Row blocks p and p + stride (the second read as zero when fewer than 2 are valid).
+  BD_V I load_bits(const uint32_t* p, size_t stride, size_t valid) {
+    const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i hi =
+        valid > 1 ? _mm256_load_si256(reinterpret_cast<const __m256i*>(p + stride)) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   }
-}
-
-// Output rows per super-block: the unit of work of a thread, a multiple of the row block.
-constexpr size_t kSuperRows = 32;
-
-// Output rows [n0, n1) (n0 a multiple of kSuperRows): per super-block, every batch row's base
-// product through the GEMV tiles (the weights read from memory once, in blocks that stay in L1/L2
-// while every row tile passes over them), then each delta row's α·(S·x) through its tables (the
-// variant's signs read once). tables[r]: row r's lookup tables, nullptr for a row without a delta.
-template <DType T>
-__attribute__((target("avx2,fma,f16c"))) void linear_rows_avx2(const TensorView& w, const float* x,
-                                                               size_t rows, const DeltaRef* deltas,
-                                                               const float* const* tables,
-                                                               const float* bias, float* y,
-                                                               size_t n0, size_t n1) {
-  const size_t K = w.shape[1], N = w.shape[0];
-  const std::byte* wdata = w.data.data();
-  std::vector<size_t> all(rows);
-  for (size_t r = 0; r < rows; ++r) all[r] = r;
-  // At least 4 output rows (a multiple of 4), so the 4-output-row tiles apply.
-  const size_t block =
-      std::max<size_t>(4, (32u << 10) / std::max<size_t>(1, K * dtype_size(w.dtype))) / 4 * 4;
-  const size_t esize = dtype_size(w.dtype), C = sign_chunks(K);
-  size_t ndelta = 0;
-  std::vector<const uint32_t*> distinct;  // the call's distinct packed signs
-  for (size_t r = 0; r < rows; ++r) {
-    if (!tables[r]) continue;
-    ++ndelta;
-    if (std::find(distinct.begin(), distinct.end(), deltas[r].packed) == distinct.end())
-      distinct.push_back(deltas[r].packed);
+  BD_V F load_table(const float* t) {  // the 8 floats in both halves (as 4 doubles: AVX512F alone)
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_load_pd(reinterpret_cast<const double*>(t))));
   }
-  // Prefetch steps of the base tiles per output row: one per 64 columns and tile of output rows.
-  double steps_per_row = 0;
-  for (size_t i = 0; i < rows; i += kTile)
-    steps_per_row += double(K / kPrefetchCols) / double(tile_outputs(std::min(kTile, rows - i)));
-  Prefetch pf;
-  for (size_t s0 = n0; s0 < n1; s0 += kSuperRows) {
-    const size_t s1 = std::min(n1, s0 + kSuperRows);
-    // During the base tiles: this super-block's signs of every distinct delta.
-    pf.clear();
-    const size_t w0 = s0 / kSignRowBlock * C * kSignRowBlock;
-    const size_t w1 = (s1 + kSignRowBlock - 1) / kSignRowBlock * C * kSignRowBlock;
-    for (const uint32_t* packed : distinct) pf.add(packed + w0, (w1 - w0) * 4);
-    pf.spread_over(size_t(steps_per_row * double(s1 - s0)));
-    for (size_t b0 = s0; b0 < s1; b0 += block)
-      for (size_t i = 0; i < rows; i += kTile)
-        tile_rows_avx2<T>(wdata, K, N, x, y, all.data() + i, std::min(kTile, rows - i), b0,
-                          std::min(s1, b0 + block), pf);
-    // During the lookups (a step per 30 columns and 32 rows): the next super-block's weights, at most
-    // kPrefetchLines per step (with few delta rows the lookups are short, and a burst of
-    // prefetches would only stall them: the rest comes in with the next base tiles).
-    pf.clear();
-    if (ndelta && s1 < n1) {
-      const size_t steps = ndelta * C * ((s1 - s0 + 31) / 32);
-      pf.add(wdata + s1 * K * esize,
-             std::min((std::min(n1, s1 + kSuperRows) - s1) * K * esize, steps * kPrefetchLines * 64));
-      pf.spread_over(steps);
-    }
-    for (size_t r = 0; r < rows; ++r)
-      if (tables[r]) lut_rows_avx2(deltas[r], K, tables[r], s0, s1, y + r * N, pf);
-    if (bias)
-      for (size_t r = 0; r < rows; ++r)
-        for (size_t n = s0; n < s1; ++n) y[r * N + n] += bias[n];
-  }
-}
-
-void linear_rows_avx2(const TensorView& w, const float* x, size_t rows, const DeltaRef* deltas,
-                      const float* const* tables, const float* bias, float* y, size_t n0, size_t n1) {
-  switch (w.dtype) {
-    case DType::BF16:
-      return linear_rows_avx2<DType::BF16>(w, x, rows, deltas, tables, bias, y, n0, n1);
-    case DType::F16:
-      return linear_rows_avx2<DType::F16>(w, x, rows, deltas, tables, bias, y, n0, n1);
-    default:
-      return linear_rows_avx2<DType::F32>(w, x, rows, deltas, tables, bias, y, n0, n1);
-  }
-}
-
-bool has_avx2() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  }();
-  return yes;
-}
+#undef BD_V
+};
+#include "fused_linear_simd.inc"
+#undef BD_TARGET
+}  // namespace avx512
+#pragma GCC diagnostic pop
 
 // The tables of the given batch rows of x, in one 32-byte aligned buffer (per calling thread),
 // built by the pool's threads; tables[r] points to row r's (rows not listed keep their entry).
@@ -464,7 +303,8 @@ void add_signs_scalar(const float* w, const uint32_t* packed, size_t C, size_t n
 }
 
 void linear_gemm(const TensorView& w, const float* x, size_t rows, const DeltaRef* deltas,
-                 const float* bias, float* y, ThreadPool& pool, bool simd) {
+                 const float* bias, float* y, ThreadPool& pool, Isa isa) {
+  const bool simd = isa != Isa::scalar;
   // Our pool splits the output rows; OpenBLAS's own threads would only fight ours for the cores.
   static const bool single = (openblas_set_num_threads(1), true);
   (void)single;
@@ -536,7 +376,10 @@ void linear_gemm(const TensorView& w, const float* x, size_t rows, const DeltaRe
         const DeltaRef& d = deltas[r];
         if (simd) {
           Prefetch none;
-          lut_rows_avx2(d, K, tables[r], n0, n0 + nb, y + r * N, none);
+          if (isa == Isa::avx512)
+            avx512::lut_rows(d, K, tables[r], n0, n0 + nb, y + r * N, none);
+          else
+            avx2::lut_rows(d, K, tables[r], n0, n0 + nb, y + r * N, none);
           continue;
         }
         for (size_t j = 0; j < nb; ++j)
@@ -559,17 +402,66 @@ void check_shapes(const TensorView& w, std::span<const float> x, size_t rows,
 
 }  // namespace
 
+bool cpu_has(Isa isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case Isa::scalar:
+      return true;
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::avx512:
+      return cpu_has(Isa::avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl");
+  }
+  return false;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::scalar:
+      return "scalar";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::avx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+Isa parse_isa(std::string_view name) {
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512})
+    if (name == isa_name(isa)) return isa;
+  fail("unknown CPU instruction set '", name, "' (expected scalar, avx2 or avx512)");
+}
+
+Isa best_isa() {
+  static const Isa best = [] {
+    Isa cap = Isa::avx512;
+    if (const char* env = std::getenv("BITDELTA_CPU_ISA"); env && *env) {
+      try {
+        cap = parse_isa(env);
+      } catch (const Error& e) {
+        fail("BITDELTA_CPU_ISA: ", e.what());
+      }
+    }
+    for (Isa isa : {Isa::avx512, Isa::avx2})
+      if (isa <= cap && cpu_has(isa)) return isa;
+    return Isa::scalar;
+  }();
+  return best;
+}
+
 void fused_linear(const TensorView& w, std::span<const float> x, size_t rows,
                   std::span<const DeltaRef> deltas, const float* bias, std::span<float> y,
-                  ThreadPool& pool, bool simd) {
+                  ThreadPool& pool, Isa isa) {
   check_shapes(w, x, rows, deltas, y);
   for (size_t r = 0; r < rows; ++r)
     if (deltas[r].signs && !deltas[r].packed)
       fail("fused_linear: row ", r, "'s delta has no packed signs (cpu::pack_signs)");
+  if (!cpu_has(isa)) fail("fused_linear: this CPU lacks the ", isa_name(isa), " instruction set");
   const size_t K = w.shape[1], N = w.shape[0];
-  simd = simd && has_avx2();
-  if (rows >= kGemmRows) return linear_gemm(w, x.data(), rows, deltas.data(), bias, y.data(), pool, simd);
-  if (!simd)
+  if (rows >= kGemmRows) return linear_gemm(w, x.data(), rows, deltas.data(), bias, y.data(), pool, isa);
+  if (isa == Isa::scalar)
     return pool.parallel_for(N, [&](size_t n0, size_t n1) {
       linear_rows_scalar(w, x.data(), rows, deltas.data(), bias, y.data(), n0, n1);
     });
@@ -578,9 +470,10 @@ void fused_linear(const TensorView& w, std::span<const float> x, size_t rows,
     if (deltas[r].packed) delta_rows.push_back(r);
   std::vector<const float*> tables(rows, nullptr);
   build_tables(x.data(), K, delta_rows, tables, pool);
+  const auto rows_fn = isa == Isa::avx512 ? avx512::linear_rows : avx2::linear_rows;
   pool.parallel_for((N + kSuperRows - 1) / kSuperRows, [&](size_t s0, size_t s1) {
-    linear_rows_avx2(w, x.data(), rows, deltas.data(), tables.data(), bias, y.data(), s0 * kSuperRows,
-                     std::min(N, s1 * kSuperRows));
+    rows_fn(w, x.data(), rows, deltas.data(), tables.data(), bias, y.data(), s0 * kSuperRows,
+            std::min(N, s1 * kSuperRows));
   });
 }
 
