@@ -8,7 +8,8 @@
 //     to 16-bit integers per row (≤ max|x|/65024 per element: ~1e-6 of y here), its sums are exact,
 //   CUDA reference 1e-6,
 //   prefill 4e-3: two-GEMM rounds α⊙S to bf16 (measured ≤ 1.3e-3 at N = 16, ~3e-4 at larger N);
-//     materialize/pipelined round W_eff to bf16 (≤ 2⁻⁹ relative per weight).
+//     materialize/pipelined round W_eff to bf16 (≤ 2⁻⁹ relative per weight); the fused GEMM too,
+//     as bf16(w ± bf16(α)) (α rounded to bf16 first: 2⁻⁹ of the delta term, well inside).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -196,7 +197,14 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
     using M = bcuda::PrefillMethod;
     const std::pair<M, const char*> methods[] = {{M::kTwoGemms, "two gemms "},
                                                  {M::kMaterialize, "materialize"},
-                                                 {M::kPipelined, "pipelined "}};
+                                                 {M::kPipelined, "pipelined "},
+                                                 {M::kFused, "fused gemm "}};
+    static bool said = false;
+    if (!said) {
+      said = true;
+      std::printf("fused gemm: %s on this GPU (K a multiple of 64, at least 128)\n",
+                  prefill.fused_gemm_supported(wb, 1024, xb) ? "the sm_90a kernel runs" : "falls back to materialize");
+    }
     for (auto [m, name] : methods) {
       poison(dy.ptr, dy.n);
       prefill.run(m, wb, N, K, xb, rows, dev_refs[0], dy.ptr);
@@ -238,6 +246,9 @@ int main() {
     for (const Shape s : {Shape{300, 512}, Shape{129, 1003}, Shape{1024, 4096}})
       for (bool per_row : {true, false})
         check_case(rng, s.N, s.K, std::vector<int>(77, 0), 1, per_row);
+    // The fused GEMM's tiles (128 output rows × 128 rows of x) with partial edges in both.
+    for (bool per_row : {true, false}) check_case(rng, 520, 1024, std::vector<int>(300, 0), 1, per_row);
+    check_case(rng, 200, 576, std::vector<int>(150, 0), 1, true);  // 9 stages of 64 columns: an odd count
   } catch (const std::exception& e) {
     std::printf("FAIL exception: %s\n", e.what());
     return 1;

@@ -105,9 +105,10 @@ void add(Row r) {
   table.push_back(std::move(r));
 }
 
-// profile_only: cases (a) and (b) only, few reps (for ncu).
+// profile_only: cases (a) and (b) only, few reps (for ncu); prefill_only: case (c) only (with
+// profile_only too: cuBLAS and the fused GEMM, few reps).
 void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
-                 bool profile_only = false) {
+                 bool profile_only = false, bool prefill_only = false) {
   // Signs: random bits in the packed device layout (for random bits the layout changes nothing).
   const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
   const int nsets = int(std::max<size_t>(2, (240u << 20) / wbytes + 1));  // > 4× L2 per rotation
@@ -147,7 +148,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   };
 
   // (a) one row, one variant.
-  {
+  if (!prefill_only) {
     const double t_cublas = time_us([&](int s) { cublas_rows(1, s); }, reps);
     add({shape, "a: 1 row base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
     const double bytes = double(wbytes + sbytes) + N * 4.0;
@@ -173,7 +174,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
          "x cuBLAS"});
   }
   // (b) 16 rows from 16 distinct variants.
-  {
+  if (!prefill_only) {
     const double bytes = double(wbytes) + kVariants * (double(sbytes) + N * 4.0);
     const double roof = bytes / copy_bw * 1e6;
     add({shape, "b: roofline", "bytes / copy bandwidth", roof, bytes, 0, ""});
@@ -210,7 +211,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   }
   // (c) 512 rows, one variant.
   {
-    const int preps = wbytes > (200u << 20) ? 20 : 50;
+    const int preps = profile_only ? 2 : wbytes > (200u << 20) ? 20 : 50;
     const double t_cublas = time_us([&](int s) { cublas_rows(kPrefillRows, s); }, preps);
     const double flops = 2.0 * kPrefillRows * N * K;
     add({shape, "c: 512 rows base",
@@ -227,9 +228,11 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                               {M::kMaterialize, "materialize", 4096, 0},
                               {M::kMaterialize, "materialize", 8192, 0},
                               {M::kPipelined, "pipelined", 2048, 0},
-                              {M::kPipelined, "pipelined", 4096, 0}};
+                              {M::kPipelined, "pipelined", 4096, 0},
+                              {M::kFused, "fused GEMM", 0, 0}};
     for (const Config& c : configs) {
       if (c.chunk > N && c.chunk != 8192) continue;
+      if (profile_only && c.method != M::kFused) continue;
       const double t = time_us(
           [&](int s) {
             prefill.run(c.method, W(s), N, K, X, kPrefillRows, delta(s, 0), Y, c.chunk,
@@ -237,7 +240,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           },
           preps);
       add({shape, "c: 512 rows 1 variant",
-           std::string(c.name) + " chunk " + std::to_string(std::min(c.chunk, N)) +
+           std::string(c.name) + (c.chunk ? " chunk " + std::to_string(std::min(c.chunk, N)) : std::string()) +
                (c.expand_blocks ? " eb " + std::to_string(c.expand_blocks) : ""),
            t, bytes, t_cublas, "x cuBLAS"});
     }
@@ -276,8 +279,9 @@ int main(int argc, char** argv) {
         {4096, 4096}, {11008, 4096}, {4096, 11008}, {8192, 8192}, {28672, 8192}};
     const std::string mode = argc > 1 ? argv[1] : "";
     if (mode == "--profile") return bench_shape(rnd, prefill, 8192, 8192, true), 0;
+    if (mode == "--profile-prefill") return bench_shape(rnd, prefill, 4096, 4096, true, true), 0;
     if (mode == "--quick") shapes.resize(1);
-    for (auto [N, K] : shapes) bench_shape(rnd, prefill, N, K);
+    for (auto [N, K] : shapes) bench_shape(rnd, prefill, N, K, false, mode == "--prefill");
     std::printf(
         "\ncolumns: time = median µs; MB = bytes the op must move; GB/s = MB/time; roof/t = (bytes "
         "/ copy "

@@ -432,7 +432,7 @@ struct DeviceModel::Impl {
       };
       const size_t e = run_end(a);
       if (e - a >= gemm_rows(lin[a]->delta.signs)) {
-        const auto method = lin[a]->delta.signs ? PrefillMethod::kMaterialize : PrefillMethod::kBaseOnly;
+        const auto method = lin[a]->delta.signs ? PrefillMethod::kFused : PrefillMethod::kBaseOnly;
         prefill->run(method, lin[a]->w, N, K, xin + a * size_t(K), int(e - a), lin[a]->delta, y + a * size_t(N));
         a = e;
         continue;

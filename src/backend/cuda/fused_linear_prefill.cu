@@ -1,5 +1,8 @@
 #include "fused_linear_prefill.cuh"
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <algorithm>
 #include <cstdint>
 
@@ -43,6 +46,288 @@ __global__ void expand_kernel(const __nv_bfloat16* w, int K, const uint8_t* sign
   }
 }
 
+
+// --- The fused GEMM: W_eff formed in registers on its way to the tensor cores ---------------------
+//
+// D = W_eff · Xᵀ per tile of 128 output rows (n) × 128 rows of x (m), the transposed product so
+// that W is wgmma's A operand, which may come from registers: each consumer thread loads its A
+// fragment of W with ldmatrix, adds ±α from its sign bits (bf16 add: bf16(w ± bf16(α)), one
+// rounding, as materialize rounds W_eff) and issues wgmma.m64n128k16 with x (B) read by the tensor
+// cores from shared memory. Warp-specialized: one producer thread streams 64-column stages of W,
+// x (both in the 128-byte swizzle that wgmma's descriptors name) and the stage's sign words into a
+// 6-deep ring with the tensor memory accelerator (TMA), each stage completing on a "full"
+// mbarrier; two consumer warpgroups of 64 output rows each wait on it, compute, and release the
+// slot on an "empty" mbarrier once their wgmma no longer read it. While two stages' wgmma run,
+// the next stage's fragments are expanded into a third register set.
+constexpr int kFusedBM = 128, kFusedBN = 128, kFusedBK = 64, kFusedStages = 6;
+constexpr int kFusedConsumers = 256, kFusedThreads = kFusedConsumers + 128;  // + a producer warpgroup
+constexpr int kFusedTileBytes = kFusedBM * kFusedBK * 2;  // 16 KB, as the x tile (BN = BM)
+// Signs per stage: the TMA box [8 row groups][8 g][2 t'][4 i] of 32-bit words (i: all four
+// registers of a lane, of which a stage needs two: the box's innermost extent must be 16 bytes).
+constexpr int kFusedSignBytes = 8 * 8 * 2 * 4 * 4;
+constexpr int kFusedStageBytes = 2 * kFusedTileBytes + kFusedSignBytes;
+constexpr int kFusedSmem = kFusedStages * kFusedStageBytes + 2 * kFusedStages * 8 + 1024;
+
+struct FusedMaps {
+  CUtensorMap w, x, signs;
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define BITDELTA_FUSED_WGMMA 1
+#endif
+
+#ifdef BITDELTA_FUSED_WGMMA
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void tma_5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, int c4,
+                                       uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], "
+      "[%7];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+      : "memory");
+}
+
+// wgmma descriptor of a K-major tile of 8-row × 128-byte swizzle atoms (1024 B apart).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return uint64_t((addr >> 4) & 0x3FFF) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// d (64 rows × 128 columns of f32 per warpgroup) = a (registers: this warp's 16 rows × 16) · B (desc),
+// plus d when Accumulate (scale-d as an immediate: a zeroed accumulator or a predicate set in the
+// asm would be ordinary instructions defining wgmma inputs, and ptxas then serializes the wgmma).
+template <bool Accumulate>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (Accumulate)
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  else
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 0, 1, 1, 0;\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+        "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+        "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+        "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
+        "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]),
+        "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]),
+        "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
+        "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+// ±α for the two columns at bits P and P + 16 of z (1 = −α), as a bf16 pair: a shift and a LOP3.
+template <int P>
+__device__ __forceinline__ uint32_t delta_pair(uint32_t z, uint32_t alpha2) {
+  return ((z << (15 - P)) & 0x80008000u) ^ alpha2;
+}
+
+__device__ __forceinline__ uint32_t bf16x2_add(uint32_t a, uint32_t b) {
+  __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a), y = *reinterpret_cast<__nv_bfloat162*>(&b);
+  __nv_bfloat162 s = __hadd2(x, y);
+  return *reinterpret_cast<uint32_t*>(&s);
+}
+#endif  // BITDELTA_FUSED_WGMMA
+
+__global__ void __launch_bounds__(kFusedThreads, 1)
+    fused_gemm_kernel(const __grid_constant__ FusedMaps maps, const float* __restrict__ alpha, int per_row,
+                      float* __restrict__ y, int N, int K, int M) {
+#ifdef BITDELTA_FUSED_WGMMA
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* w_tiles = smem;                                        // [stage][128 rows][128 B], swizzled
+  uint8_t* x_tiles = smem + kFusedStages * kFusedTileBytes;       // [stage][128 rows][128 B], swizzled
+  uint8_t* s_tiles = smem + 2 * kFusedStages * kFusedTileBytes;   // [stage][8 rg][8 g][2 t'][4 i] words
+  const uint32_t full0 = smem_addr(smem + kFusedStages * kFusedStageBytes), empty0 = full0 + 8 * kFusedStages;
+
+  const int MT = (M + kFusedBN - 1) / kFusedBN;
+  const int n0 = int(blockIdx.x) / MT * kFusedBM, m0 = int(blockIdx.x) % MT * kFusedBN;  // m fastest: a W tile's CTAs run together
+  const int tid = threadIdx.x, KT = K / kFusedBK;
+  if (tid == 0) {
+    for (int s = 0; s < kFusedStages; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, kFusedConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid >= kFusedConsumers) {  // the producer warpgroup: one thread issues every copy
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (tid == kFusedConsumers)
+      for (int kt = 0; kt < KT; ++kt) {
+        const int slot = kt % kFusedStages, k0 = kt * kFusedBK, s = (k0 & 255) >> 6;
+        const uint32_t full = full0 + 8 * slot;
+        mbar_wait(empty0 + 8 * slot, ((kt / kFusedStages) & 1) ^ 1);
+        mbar_expect_tx(full, kFusedStageBytes);
+        tma_2d(smem_addr(w_tiles + slot * kFusedTileBytes), &maps.w, k0, n0, full);
+        tma_2d(smem_addr(x_tiles + slot * kFusedTileBytes), &maps.x, k0, m0, full);
+        tma_5d(smem_addr(s_tiles + slot * kFusedSignBytes), &maps.signs, 0, 2 * (s & 1), 0, k0 >> 8, n0 / 16, full);
+      }
+  } else {  // two consumer warpgroups
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int rw = 64 * wg + 16 * warp;  // this warp's first row in the tile
+  // α of rows g and g + 8 as bf16 pairs (both halves); flipping the sign bits gives −α.
+  uint32_t alpha2[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int n = min(n0 + rw + g + 8 * h, N - 1);
+    const __nv_bfloat16 a = __float2bfloat16_rn(alpha[per_row ? n : 0]);
+    const uint16_t bits = *reinterpret_cast<const uint16_t*>(&a);
+    alpha2[h] = uint32_t(bits) | (uint32_t(bits) << 16);
+  }
+  // ldmatrix.x4 source of this lane: matrix q = lane / 8 (rows +8·(q&1), columns +8·(q>>1)), row lane % 8.
+  const int lrow = rw + ((lane >> 3) & 1) * 8 + (lane & 7), lcol = lane >> 4;
+  const uint32_t s_smem = smem_addr(s_tiles) + ((rw >> 4) * 8 + g) * 32;
+
+  float acc[64];  // written first by stage 0's wgmma (scale-d = 0)
+  uint32_t afrag[3][4][4];
+
+  // Stage kt: wait for its copies, expand its fragments into register set P, issue its 4 wgmma,
+  // then wait until at most this stage's and the previous one's wgmma run, and release the slot
+  // of the stage before those. Branch-free: ptxas serializes
+  // the wgmma of a loop with branches in it.
+  const auto stage = [&]<int P, bool First, bool Release>(int kt) {
+    const int slot = kt % kFusedStages, s = ((kt * kFusedBK) & 255) >> 6;
+    mbar_wait(full0 + 8 * slot, (kt / kFusedStages) & 1);
+    const uint8_t* wt = w_tiles + slot * kFusedTileBytes;
+    // Words (t', i): i = 2(s>>1) for row g, +1 for row g + 8; t' even for columns 0..31 of the
+    // stage, odd for 32..63. Inverted (1 = −α) and shifted so that column 2t of each 16 is at bit
+    // 0 (rows: x, y for t' even, z, w for t' odd).
+    const uint32_t sp = s_smem + slot * kFusedSignBytes + 8 * (s >> 1);
+    uint2 e, o;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e.x), "=r"(e.y) : "r"(sp));
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(o.x), "=r"(o.y) : "r"(sp + 16));
+    const uint32_t nw[4] = {~e.x >> (2 * t), ~e.y >> (2 * t), ~o.x >> (2 * t), ~o.y >> (2 * t)};
+    // Per word, the pairs' bits (0,1), (8,9), (16,17), (24,25) rearranged as (0,16), (8,24) for
+    // columns 0..15 (zl) and 16..31 (zh) of the word: one shift and mask per pair.
+    uint32_t zl[4], zh[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t u = nw[i] & 0x01010101u, v = (nw[i] >> 1) & 0x01010101u;
+      zl[i] = (u & 0xFFFFu) | (v << 16);
+      zh[i] = (u >> 16) | (v & 0xFFFF0000u);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t addr = smem_addr(wt + lrow * 128 + (((2 * j + lcol) ^ (lrow & 7)) << 4));
+      uint32_t r0, r1, r2, r3;
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                   : "r"(addr));
+      // Chunk j: columns 16j.. of the stage: word t' = j / 2, half j % 2 of it.
+      const uint32_t z0 = (j & 1) ? zh[(j >> 1) * 2] : zl[(j >> 1) * 2];      // row g
+      const uint32_t z8 = (j & 1) ? zh[(j >> 1) * 2 + 1] : zl[(j >> 1) * 2 + 1];  // row g + 8
+      afrag[P][j][0] = bf16x2_add(r0, delta_pair<0>(z0, alpha2[0]));
+      afrag[P][j][1] = bf16x2_add(r1, delta_pair<0>(z8, alpha2[1]));
+      afrag[P][j][2] = bf16x2_add(r2, delta_pair<8>(z0, alpha2[0]));
+      afrag[P][j][3] = bf16x2_add(r3, delta_pair<8>(z8, alpha2[1]));
+    }
+    const uint64_t desc = sw128_desc(smem_addr(x_tiles + slot * kFusedTileBytes));
+    uint64_t descs[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) descs[j] = desc + 2 * j;  // +32 B per 16 columns
+    // Pin the wgmma inputs' definitions before the fence.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      asm volatile("" : "+l"(descs[j])::"memory");
+#pragma unroll
+      for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(afrag[P][j][r])::"memory");
+    }
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    wgmma_m64n128k16<!First>(acc, afrag[P][0], descs[0]);
+#pragma unroll
+    for (int j = 1; j < 4; ++j) wgmma_m64n128k16<true>(acc, afrag[P][j], descs[j]);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 2;\n" ::: "memory");
+    if constexpr (Release) mbar_arrive(empty0 + 8 * ((kt + kFusedStages - 2) % kFusedStages));
+  };
+  // Stage s uses register set s % 3; after it, the wgmma of stages s − 1 and s may still run, and
+  // stage s − 2's slot is released. Stages 0 and 1 release none; the loop takes three stages.
+  stage.template operator()<0, true, false>(0);
+  stage.template operator()<1, false, false>(1);
+  int kt = 2;
+  for (; kt + 2 < KT; kt += 3) {
+    stage.template operator()<2, false, true>(kt);
+    stage.template operator()<0, false, true>(kt + 1);
+    stage.template operator()<1, false, true>(kt + 2);
+  }
+  if (kt < KT) stage.template operator()<2, false, true>(kt);
+  if (kt + 1 < KT) stage.template operator()<0, false, true>(kt + 1);
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+
+  // acc[4i + e]: row g, x row 8i + 2t + e; acc[4i + 2 + e]: row g + 8. y is [M, N].
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = m0 + 8 * i + 2 * t + e, n = n0 + rw + g;
+      if (m >= M) continue;
+      if (n < N) y[size_t(m) * N + n] = acc[4 * i + e];
+      if (n + 8 < N) y[size_t(m) * N + n + 8] = acc[4 * i + 2 + e];
+    }
+  }
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver, through the runtime (no link to libcuda); null if absent.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return PFN_cuTensorMapEncodeTiled_v12000(nullptr);
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+void encode(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
+            const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swizzle) {
+  const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
+  const CUresult r = tensor_map_encoder()(map, type, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, unit,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) fail("cuda::PrefillLinear: cuTensorMapEncodeTiled failed (", int(r), ")");
+}
+
 }  // namespace
 
 void expand_delta(const __nv_bfloat16* w, int K, const DeltaRef& delta, int n0, int rows,
@@ -64,6 +349,14 @@ PrefillLinear::PrefillLinear(cudaStream_t stream, size_t scratch_elems)
   BITDELTA_CUBLAS_CHECK(cublasCreate(&handle_));
   BITDELTA_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
   BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&helper_, cudaStreamNonBlocking));
+  // The fused GEMM is built for sm_90a only (wgmma): elsewhere kFused takes the materialize path.
+  int device = 0;
+  cudaDeviceProp prop{};
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
+  BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  fused_arch_ = prop.major == 9 && prop.minor == 0 && tensor_map_encoder() != nullptr;
+  if (fused_arch_)
+    BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(fused_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmem));
   for (int i = 0; i < 2; ++i) {
     BITDELTA_CUDA_CHECK(cudaMalloc(&scratch_[i], scratch_elems_ * sizeof(__nv_bfloat16)));
     BITDELTA_CUDA_CHECK(cudaEventCreateWithFlags(&expanded_[i], cudaEventDisableTiming));
@@ -91,6 +384,31 @@ void PrefillLinear::gemm(const __nv_bfloat16* w_rows, int n_rows, int K, const _
                                      CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+bool PrefillLinear::fused_gemm_supported(const __nv_bfloat16* w, int K, const __nv_bfloat16* x) const {
+  return fused_arch_ && K % kFusedBK == 0 && K >= 2 * kFusedBK && (reinterpret_cast<uintptr_t>(w) & 15) == 0 &&
+         (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+}
+
+void PrefillLinear::fused_gemm(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
+                               const DeltaRef& delta, float* y) {
+  FusedMaps maps;
+  const cuuint64_t wdims[2] = {cuuint64_t(K), cuuint64_t(N)}, xdims[2] = {cuuint64_t(K), cuuint64_t(rows)};
+  const cuuint64_t rstride[1] = {cuuint64_t(K) * 2};
+  const cuuint32_t tile[2] = {kFusedBK, kFusedBM};
+  encode(&maps.w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, wdims, rstride, tile, CU_TENSOR_MAP_SWIZZLE_128B);
+  encode(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, xdims, rstride, tile, CU_TENSOR_MAP_SWIZZLE_128B);
+  // The packed signs as words [row group][column block][g][t'][i] (packed_signs.h).
+  const int KB = sign_blocks(K);
+  const cuuint64_t sdims[5] = {4, 4, 8, cuuint64_t(KB), cuuint64_t((N + 15) / 16)};
+  const cuuint64_t sstrides[4] = {16, 64, 512, 512 * cuuint64_t(KB)};
+  const cuuint32_t sbox[5] = {4, 2, 8, 1, 8};
+  encode(&maps.signs, CU_TENSOR_MAP_DATA_TYPE_UINT32, 5, delta.signs, sdims, sstrides, sbox, CU_TENSOR_MAP_SWIZZLE_NONE);
+  const unsigned blocks = unsigned((N + kFusedBM - 1) / kFusedBM) * unsigned((rows + kFusedBN - 1) / kFusedBN);
+  fused_gemm_kernel<<<blocks, kFusedThreads, kFusedSmem, stream_>>>(maps, delta.alpha, delta.alpha_per_row ? 1 : 0,
+                                                                       y, N, K, rows);
+  BITDELTA_CUDA_CHECK_LAUNCH();
+}
+
 void PrefillLinear::run(PrefillMethod method, const __nv_bfloat16* w, int N, int K,
                         const __nv_bfloat16* x, int rows, const DeltaRef& delta, float* y,
                         int chunk_rows, int expand_blocks) {
@@ -100,6 +418,10 @@ void PrefillLinear::run(PrefillMethod method, const __nv_bfloat16* w, int N, int
   if (fit < 1)
     fail("cuda::PrefillLinear: scratch of ", scratch_elems_, " elements holds no row of ", K);
   const int chunk = chunk_rows > 0 ? std::min(chunk_rows, fit) : fit;
+  if (method == PrefillMethod::kFused) {
+    if (fused_gemm_supported(w, K, x)) return fused_gemm(w, N, K, x, rows, delta, y);
+    method = PrefillMethod::kMaterialize;  // another GPU, or a shape the fused kernel does not take
+  }
   switch (method) {
     case PrefillMethod::kTwoGemms:
       gemm(w, N, K, x, rows, y, N, 0.0f);
@@ -134,6 +456,7 @@ void PrefillLinear::run(PrefillMethod method, const __nv_bfloat16* w, int N, int
       return;
     }
     case PrefillMethod::kBaseOnly:
+    case PrefillMethod::kFused:
       break;
   }
 }

@@ -21,7 +21,7 @@
 
 namespace bitdelta::cuda {
 
-enum class PrefillMethod { kBaseOnly, kTwoGemms, kMaterialize, kPipelined };
+enum class PrefillMethod { kBaseOnly, kTwoGemms, kMaterialize, kPipelined, kFused };
 
 // W_eff chunk: out[n][k] = bf16(W[n][k] + α[n]·s[n][k]) for n in [n0, n0 + rows), or
 // bf16(α[n]·s[n][k]) alone when with_base is false. out is [rows, K] row-major; device pointers.
@@ -46,13 +46,18 @@ class PrefillLinear {
            int rows, const DeltaRef& delta, float* y, int chunk_rows = 0, int expand_blocks = 0);
 
   cublasHandle_t handle() const { return handle_; }
+  // Whether kFused runs the fused kernel for these operands (else it runs kMaterialize).
+  bool fused_gemm_supported(const __nv_bfloat16* w, int K, const __nv_bfloat16* x) const;
 
  private:
   void gemm(const __nv_bfloat16* w_rows, int n_rows, int K, const __nv_bfloat16* x, int rows,
             float* y, int ldy, float beta);
+  void fused_gemm(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows, const DeltaRef& delta,
+                  float* y);
 
   cudaStream_t stream_;
   cudaStream_t helper_ = nullptr;
+  bool fused_arch_ = false;  // the device runs the sm_90a fused GEMM
   cublasHandle_t handle_ = nullptr;
   size_t scratch_elems_;
   __nv_bfloat16* scratch_[2] = {nullptr, nullptr};
