@@ -239,6 +239,11 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                         c.expand_blocks);
           },
           preps);
+      if (c.method == M::kFused) {  // the same kernel on W alone: the cost of the ±α expansion
+        const double tb = time_us(
+            [&](int s) { prefill.run(M::kFused, W(s), N, K, X, kPrefillRows, DeltaRef{}, Y); }, preps);
+        add({shape, "c: 512 rows base", "fused GEMM kernel, no delta", tb, double(wbytes), t_cublas, "x cuBLAS"});
+      }
       add({shape, "c: 512 rows 1 variant",
            std::string(c.name) + (c.chunk ? " chunk " + std::to_string(std::min(c.chunk, N)) : std::string()) +
                (c.expand_blocks ? " eb " + std::to_string(c.expand_blocks) : ""),
@@ -279,7 +284,10 @@ int main(int argc, char** argv) {
         {4096, 4096}, {11008, 4096}, {4096, 11008}, {8192, 8192}, {28672, 8192}};
     const std::string mode = argc > 1 ? argv[1] : "";
     if (mode == "--profile") return bench_shape(rnd, prefill, 8192, 8192, true), 0;
-    if (mode == "--profile-prefill") return bench_shape(rnd, prefill, 4096, 4096, true, true), 0;
+    if (mode == "--profile-prefill") {  // [N K], default 4096 4096
+      const int pn = argc > 3 ? std::atoi(argv[2]) : 4096, pk = argc > 3 ? std::atoi(argv[3]) : 4096;
+      return bench_shape(rnd, prefill, pn, pk, true, true), 0;
+    }
     if (mode == "--quick") shapes.resize(1);
     for (auto [N, K] : shapes) bench_shape(rnd, prefill, N, K, false, mode == "--prefill");
     std::printf(

@@ -164,6 +164,8 @@ __device__ __forceinline__ uint32_t bf16x2_add(uint32_t a, uint32_t b) {
 }
 #endif  // BITDELTA_FUSED_WGMMA
 
+// Delta = false: W alone (the same kernel without the sign term: what the expansion costs).
+template <bool Delta>
 __global__ void __launch_bounds__(kFusedThreads, 1)
     fused_gemm_kernel(const __grid_constant__ FusedMaps maps, const float* __restrict__ alpha, int per_row,
                       float* __restrict__ y, int N, int K, int M) {
@@ -194,10 +196,11 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
         const int slot = kt % kFusedStages, k0 = kt * kFusedBK, s = (k0 & 255) >> 6;
         const uint32_t full = full0 + 8 * slot;
         mbar_wait(empty0 + 8 * slot, ((kt / kFusedStages) & 1) ^ 1);
-        mbar_expect_tx(full, kFusedStageBytes);
+        mbar_expect_tx(full, Delta ? kFusedStageBytes : 2 * kFusedTileBytes);
         tma_2d(smem_addr(w_tiles + slot * kFusedTileBytes), &maps.w, k0, n0, full);
         tma_2d(smem_addr(x_tiles + slot * kFusedTileBytes), &maps.x, k0, m0, full);
-        tma_5d(smem_addr(s_tiles + slot * kFusedSignBytes), &maps.signs, 0, 2 * (s & 1), 0, k0 >> 8, n0 / 16, full);
+        if (Delta)
+          tma_5d(smem_addr(s_tiles + slot * kFusedSignBytes), &maps.signs, 0, 2 * (s & 1), 0, k0 >> 8, n0 / 16, full);
       }
   } else {  // two consumer warpgroups
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
@@ -208,7 +211,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int n = min(n0 + rw + g + 8 * h, N - 1);
-    const __nv_bfloat16 a = __float2bfloat16_rn(alpha[per_row ? n : 0]);
+    const __nv_bfloat16 a = __float2bfloat16_rn(Delta ? alpha[per_row ? n : 0] : 0.0f);
     const uint16_t bits = *reinterpret_cast<const uint16_t*>(&a);
     alpha2[h] = uint32_t(bits) | (uint32_t(bits) << 16);
   }
@@ -230,10 +233,12 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     // Words (t', i): i = 2(s>>1) for row g, +1 for row g + 8; t' even for columns 0..31 of the
     // stage, odd for 32..63. Inverted (1 = −α) and shifted so that column 2t of each 16 is at bit
     // 0 (rows: x, y for t' even, z, w for t' odd).
-    const uint32_t sp = s_smem + slot * kFusedSignBytes + 8 * (s >> 1);
-    uint2 e, o;
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e.x), "=r"(e.y) : "r"(sp));
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(o.x), "=r"(o.y) : "r"(sp + 16));
+    [[maybe_unused]] const uint32_t sp = s_smem + slot * kFusedSignBytes + 8 * (s >> 1);
+    uint2 e{}, o{};
+    if constexpr (Delta) {
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e.x), "=r"(e.y) : "r"(sp));
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(o.x), "=r"(o.y) : "r"(sp + 16));
+    }
     const uint32_t nw[4] = {~e.x >> (2 * t), ~e.y >> (2 * t), ~o.x >> (2 * t), ~o.y >> (2 * t)};
     // Per word, the pairs' bits (0,1), (8,9), (16,17), (24,25) rearranged as (0,16), (8,24) for
     // columns 0..15 (zl) and 16..31 (zh) of the word: one shift and mask per pair.
@@ -252,12 +257,16 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
                    : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                    : "r"(addr));
       // Chunk j: columns 16j.. of the stage: word t' = j / 2, half j % 2 of it.
-      const uint32_t z0 = (j & 1) ? zh[(j >> 1) * 2] : zl[(j >> 1) * 2];      // row g
-      const uint32_t z8 = (j & 1) ? zh[(j >> 1) * 2 + 1] : zl[(j >> 1) * 2 + 1];  // row g + 8
-      afrag[P][j][0] = bf16x2_add(r0, delta_pair<0>(z0, alpha2[0]));
-      afrag[P][j][1] = bf16x2_add(r1, delta_pair<0>(z8, alpha2[1]));
-      afrag[P][j][2] = bf16x2_add(r2, delta_pair<8>(z0, alpha2[0]));
-      afrag[P][j][3] = bf16x2_add(r3, delta_pair<8>(z8, alpha2[1]));
+      [[maybe_unused]] const uint32_t z0 = (j & 1) ? zh[(j >> 1) * 2] : zl[(j >> 1) * 2];      // row g
+      [[maybe_unused]] const uint32_t z8 = (j & 1) ? zh[(j >> 1) * 2 + 1] : zl[(j >> 1) * 2 + 1];  // row g + 8
+      if constexpr (Delta) {
+        afrag[P][j][0] = bf16x2_add(r0, delta_pair<0>(z0, alpha2[0]));
+        afrag[P][j][1] = bf16x2_add(r1, delta_pair<0>(z8, alpha2[1]));
+        afrag[P][j][2] = bf16x2_add(r2, delta_pair<8>(z0, alpha2[0]));
+        afrag[P][j][3] = bf16x2_add(r3, delta_pair<8>(z8, alpha2[1]));
+      } else {
+        afrag[P][j][0] = r0, afrag[P][j][1] = r1, afrag[P][j][2] = r2, afrag[P][j][3] = r3;
+      }
     }
     const uint64_t desc = sw128_desc(smem_addr(x_tiles + slot * kFusedTileBytes));
     uint64_t descs[4];
@@ -355,8 +364,10 @@ PrefillLinear::PrefillLinear(cudaStream_t stream, size_t scratch_elems)
   BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
   BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   fused_arch_ = prop.major == 9 && prop.minor == 0 && tensor_map_encoder() != nullptr;
-  if (fused_arch_)
-    BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(fused_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmem));
+  if (fused_arch_) {
+    BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(fused_gemm_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmem));
+    BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(fused_gemm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedSmem));
+  }
   for (int i = 0; i < 2; ++i) {
     BITDELTA_CUDA_CHECK(cudaMalloc(&scratch_[i], scratch_elems_ * sizeof(__nv_bfloat16)));
     BITDELTA_CUDA_CHECK(cudaEventCreateWithFlags(&expanded_[i], cudaEventDisableTiming));
@@ -397,15 +408,20 @@ void PrefillLinear::fused_gemm(const __nv_bfloat16* w, int N, int K, const __nv_
   const cuuint32_t tile[2] = {kFusedBK, kFusedBM};
   encode(&maps.w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, wdims, rstride, tile, CU_TENSOR_MAP_SWIZZLE_128B);
   encode(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, xdims, rstride, tile, CU_TENSOR_MAP_SWIZZLE_128B);
+  const unsigned blocks = unsigned((N + kFusedBM - 1) / kFusedBM) * unsigned((rows + kFusedBN - 1) / kFusedBN);
+  if (!delta.signs) {  // W alone
+    fused_gemm_kernel<false><<<blocks, kFusedThreads, kFusedSmem, stream_>>>(maps, nullptr, 0, y, N, K, rows);
+    BITDELTA_CUDA_CHECK_LAUNCH();
+    return;
+  }
   // The packed signs as words [row group][column block][g][t'][i] (packed_signs.h).
   const int KB = sign_blocks(K);
   const cuuint64_t sdims[5] = {4, 4, 8, cuuint64_t(KB), cuuint64_t((N + 15) / 16)};
   const cuuint64_t sstrides[4] = {16, 64, 512, 512 * cuuint64_t(KB)};
   const cuuint32_t sbox[5] = {4, 2, 8, 1, 8};
   encode(&maps.signs, CU_TENSOR_MAP_DATA_TYPE_UINT32, 5, delta.signs, sdims, sstrides, sbox, CU_TENSOR_MAP_SWIZZLE_NONE);
-  const unsigned blocks = unsigned((N + kFusedBM - 1) / kFusedBM) * unsigned((rows + kFusedBN - 1) / kFusedBN);
-  fused_gemm_kernel<<<blocks, kFusedThreads, kFusedSmem, stream_>>>(maps, delta.alpha, delta.alpha_per_row ? 1 : 0,
-                                                                       y, N, K, rows);
+  fused_gemm_kernel<true><<<blocks, kFusedThreads, kFusedSmem, stream_>>>(maps, delta.alpha, delta.alpha_per_row ? 1 : 0,
+                                                                             y, N, K, rows);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
@@ -413,6 +429,8 @@ void PrefillLinear::run(PrefillMethod method, const __nv_bfloat16* w, int N, int
                         const __nv_bfloat16* x, int rows, const DeltaRef& delta, float* y,
                         int chunk_rows, int expand_blocks) {
   if (N < 1 || K < 1 || rows < 1) fail("cuda::PrefillLinear: empty shape");
+  if (method == PrefillMethod::kFused && !delta.signs && fused_gemm_supported(w, K, x))
+    return fused_gemm(w, N, K, x, rows, delta, y);  // the fused kernel on W alone (for measurement)
   if (method == PrefillMethod::kBaseOnly || !delta.signs) return gemm(w, N, K, x, rows, y, N, 0.0f);
   const int fit = int(std::min<size_t>(scratch_elems_ / size_t(K), size_t(N)));
   if (fit < 1)

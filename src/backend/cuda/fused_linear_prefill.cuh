@@ -1,14 +1,19 @@
-// The BitDelta linear for prefill: many rows of one variant. Compute-bound (2·rows·N·K flops), so
-// the base GEMM belongs to cuBLAS; the question is how the delta joins it. Methods, chosen by
-// measurement (bench/cuda/NOTES.md):
+// The BitDelta linear for prefill: many rows of one variant. Compute-bound (2·rows·N·K flops).
+// Methods, chosen by measurement (bench/RESULTS.md, bench/cuda/NOTES.md):
 //   kBaseOnly     cuBLAS on the base alone (the baseline, no delta)
 //   kTwoGemms     Y = X·Wᵀ, then Y += X·(α⊙S)ᵀ with α⊙S expanded to bf16 chunk by chunk (twice the
-//   flops) kMaterialize  per chunk of output rows: W_eff = bf16(W + α⊙S) into scratch, then one
-//   GEMM on it kPipelined    kMaterialize with the expansion of chunk i+1 on a second stream,
-//   overlapping the
+//                 flops)
+//   kMaterialize  per chunk of output rows: W_eff = bf16(W + α⊙S) into scratch, then one cuBLAS
+//                 GEMM on it
+//   kPipelined    kMaterialize with the expansion of chunk i+1 on a second stream, overlapping the
 //                 (compute-bound) GEMM of chunk i; two scratch buffers
-// Signs are in the packed device layout (fused_linear_decode.cuh). W_eff exists only as a scratch chunk in bf16 (rounding it to bf16 costs ≤ 2⁻⁹ relative per
-// weight).
+//   kFused        one kernel (sm_90a, wgmma): W_eff = W + α⊙S formed in registers per tile on its way
+//                 to the tensor cores, never in memory; W_eff rounded to bf16 as bf16(w ± bf16(α)).
+//                 The engine's method. Needs K a multiple of 64 (at least 128) and 16-byte aligned
+//                 W and x; otherwise, or on another GPU, it runs kMaterialize. Without a delta it
+//                 runs the same kernel on W alone (the benchmark's measure of the expansion's cost).
+// Signs are in the packed device layout (packed_signs.h). W_eff is rounded to bf16 (≤ 2⁻⁹ relative
+// per weight).
 #pragma once
 
 #include <cublas_v2.h>
