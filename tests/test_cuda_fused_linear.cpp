@@ -195,18 +195,26 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
   if (one_variant && row_variant[0] >= 0) {
     bcuda::PrefillLinear prefill(nullptr, size_t(K) * 40);  // 40-row chunks: many chunks even here
     using M = bcuda::PrefillMethod;
-    const std::pair<M, const char*> methods[] = {{M::kTwoGemms, "two gemms "},
-                                                 {M::kMaterialize, "materialize"},
-                                                 {M::kPipelined, "pipelined "},
-                                                 {M::kFused, "fused gemm "}};
+    struct Method {
+      M m;
+      const char* name;
+      int tile;  // the fused kernel's rows of x per tile (both shapes run on every case)
+    };
+    const Method methods[] = {{M::kTwoGemms, "two gemms ", 0},
+                              {M::kMaterialize, "materialize", 0},
+                              {M::kPipelined, "pipelined ", 0},
+                              {M::kFused, "fused 128x128", 128},
+                              {M::kFused, "fused 64x256", 256},
+                              {M::kFused, "fused 64x64  ", 64}};
     static bool said = false;
     if (!said) {
       said = true;
       std::printf("fused gemm: %s on this GPU (K a multiple of 64, at least 128)\n",
                   prefill.fused_gemm_supported(wb, 1024, xb) ? "the sm_90a kernel runs" : "falls back to materialize");
     }
-    for (auto [m, name] : methods) {
+    for (auto [m, name, tile] : methods) {
       poison(dy.ptr, dy.n);
+      prefill.set_fused_tile(tile);
       prefill.run(m, wb, N, K, xb, rows, dev_refs[0], dy.ptr);
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect(std::string("prefill ") + name + "  " + tag, dy.to_host(), ref, 4e-3);

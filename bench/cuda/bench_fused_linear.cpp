@@ -229,26 +229,52 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                               {M::kMaterialize, "materialize", 8192, 0},
                               {M::kPipelined, "pipelined", 2048, 0},
                               {M::kPipelined, "pipelined", 4096, 0},
-                              {M::kFused, "fused GEMM", 0, 0}};
+                              {M::kFused, "fused GEMM 128x128", 0, 128},
+                              {M::kFused, "fused GEMM 64x256", 0, 256}};
     for (const Config& c : configs) {
       if (c.chunk > N && c.chunk != 8192) continue;
       if (profile_only && c.method != M::kFused) continue;
+      // For the fused GEMM, expand_blocks is its tile's rows of x.
+      prefill.set_fused_tile(c.method == M::kFused ? c.expand_blocks : 0);
       const double t = time_us(
           [&](int s) {
             prefill.run(c.method, W(s), N, K, X, kPrefillRows, delta(s, 0), Y, c.chunk,
-                        c.expand_blocks);
+                        c.method == M::kFused ? 0 : c.expand_blocks);
           },
           preps);
       if (c.method == M::kFused) {  // the same kernel on W alone: the cost of the ±α expansion
         const double tb = time_us(
             [&](int s) { prefill.run(M::kFused, W(s), N, K, X, kPrefillRows, DeltaRef{}, Y); }, preps);
-        add({shape, "c: 512 rows base", "fused GEMM kernel, no delta", tb, double(wbytes), t_cublas, "x cuBLAS"});
+        add({shape, "c: 512 rows base", std::string(c.name) + " kernel, no delta", tb, double(wbytes), t_cublas,
+             "x cuBLAS"});
       }
       add({shape, "c: 512 rows 1 variant",
            std::string(c.name) + (c.chunk ? " chunk " + std::to_string(std::min(c.chunk, N)) : std::string()) +
-               (c.expand_blocks ? " eb " + std::to_string(c.expand_blocks) : ""),
+               (c.expand_blocks && c.method != M::kFused ? " eb " + std::to_string(c.expand_blocks) : ""),
            t, bytes, t_cublas, "x cuBLAS"});
     }
+    prefill.set_fused_tile(0);
+    // Few rows of one variant (a decode batch of one fine-tune): 16-row fused decode launches (each
+    // reading W) against the fused GEMM (one read of W), next to cuBLAS on the base.
+    if (!profile_only)
+      for (int rows : {17, 32, 48}) {
+        const std::string cs = "c': " + std::to_string(rows) + " rows 1 variant";
+        const double tb = time_us([&](int s) { cublas_rows(rows, s); }, preps);
+        add({shape, cs, "cuBLAS base-only", tb, double(wbytes), 0, ""});
+        const double td = time_us(
+            [&](int s) {
+              DeltaRef d[16];
+              for (int v = 0; v < 16; ++v) d[v] = delta(s, 0);
+              for (int r0 = 0; r0 < rows; r0 += 16)
+                bcuda::fused_linear_decode(W(s), N, K, X + size_t(r0) * K, std::min(16, rows - r0),
+                                           {d, size_t(std::min(16, rows - r0))}, Y + size_t(r0) * N, nullptr);
+            },
+            preps);
+        add({shape, cs, "fused decode, 16-row launches", td, bytes, tb, "x cuBLAS"});
+        const double tf = time_us(
+            [&](int s) { prefill.run(M::kFused, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
+        add({shape, cs, "fused GEMM", tf, bytes, tb, "x cuBLAS"});
+      }
   }
   BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
 }

@@ -39,12 +39,16 @@ constexpr size_t kAlign = 256;           // every tensor on the device starts 25
 constexpr size_t kDecodeRows = 16;          // rows per fused decode launch (the kernel's limit)
 // Rows of one weight (and delta) in a step from which a GEMM beats 16-row fused decode launches
 // (each of which reads the weight again): for the base alone cuBLAS wins from 17 rows; with a delta
-// the GEMM needs W_eff materialized (≈ 3× the weight's bytes), which wins from about 48 rows
-// (7B-shaped decode at batch 32 of one variant: 16.1 ms through two fused launches per linear,
-// 18.2 ms through W_eff + GEMM with kernel v6; with v8, 19.9–20.0 ms fused against 20.1–20.2 ms with
-// the GEMM from 17 rows, interleaved runs; the base alone through cuBLAS 8.9 ms; bench/cuda/NOTES.md).
-constexpr size_t kGemmRowsBase = 17, kGemmRowsDelta = 48;
-size_t gemm_rows(bool with_delta) { return with_delta ? kGemmRowsDelta : kGemmRowsBase; }
+// the fused GEMM (sm_90a: W_eff formed in registers, W read once) wins from 17 rows too — at 17, 32
+// and 48 rows it took 0.20–0.60× the time of the 16-row decode launches on all five layer shapes
+// (bench/RESULTS.md, case c'). Where the fused GEMM does not run, the GEMM needs W_eff materialized
+// (≈ 3× the weight's bytes), which wins from about 48 rows (7B-shaped decode at batch 32 of one
+// variant: 16.1 ms through two fused launches per linear, 18.2 ms through W_eff + GEMM with kernel
+// v6; bench/cuda/NOTES.md).
+constexpr size_t kGemmRowsBase = 17, kGemmRowsFused = 17, kGemmRowsMaterialize = 48;
+size_t gemm_rows(bool with_delta, bool fused) {
+  return !with_delta ? kGemmRowsBase : fused ? kGemmRowsFused : kGemmRowsMaterialize;
+}
 constexpr size_t kPrefillScratch = size_t(16) << 20;  // W_eff chunk elements (×2 buffers, bf16)
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -418,7 +422,7 @@ struct DeviceModel::Impl {
 
   // y[rows, N] = x[rows, K] · W_effᵀ for rows that each name their weight and delta. Consecutive
   // rows with the same weight form a segment; inside it a variant with ≥ gemm_rows() rows goes
-  // through cuBLAS (W_eff materialized per chunk for a delta), the others through the fused decode
+  // through a GEMM (cuBLAS for the base, the fused GEMM for a delta), the others through the fused decode
   // kernel, up to 16 rows (of any variants) per launch, which reads the base once per launch.
   void linear(const std::vector<const LinearOnDevice*>& lin, const bf16* xin, int K, float* y, int N) {
     const size_t R = lin.size();
@@ -431,7 +435,7 @@ struct DeviceModel::Impl {
         return e;
       };
       const size_t e = run_end(a);
-      if (e - a >= gemm_rows(lin[a]->delta.signs)) {
+      if (e - a >= gemm_rows(lin[a]->delta.signs, prefill->fused_available())) {
         const auto method = lin[a]->delta.signs ? PrefillMethod::kFused : PrefillMethod::kBaseOnly;
         prefill->run(method, lin[a]->w, N, K, xin + a * size_t(K), int(e - a), lin[a]->delta, y + a * size_t(N));
         a = e;
@@ -441,7 +445,7 @@ struct DeviceModel::Impl {
       size_t b = a;
       while (b < R && b - a < kDecodeRows && same_weight(b)) {
         const size_t re = run_end(b);
-        if (re - b >= gemm_rows(lin[b]->delta.signs)) break;
+        if (re - b >= gemm_rows(lin[b]->delta.signs, prefill->fused_available())) break;
         b = std::min(re, a + kDecodeRows);
       }
       deltas.clear();
@@ -607,7 +611,7 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   std::iota(order.begin(), order.end(), 0);
   auto key = [&](size_t r) {
     const size_t v = size_t(in[r].variant);
-    return std::pair<int, size_t>(count[v] >= gemm_rows(v != 0) ? 0 : 1, v);
+    return std::pair<int, size_t>(count[v] >= gemm_rows(v != 0, m.prefill->fused_available()) ? 0 : 1, v);
   };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
 

@@ -51,7 +51,12 @@ class PrefillLinear {
            int rows, const DeltaRef& delta, float* y, int chunk_rows = 0, int expand_blocks = 0);
 
   cublasHandle_t handle() const { return handle_; }
-  // Whether kFused runs the fused kernel for these operands (else it runs kMaterialize).
+  // The fused kernel's rows of x per tile: 64 (tiles of 64 output rows), 128 (of 128) or 256 (of
+  // 64); 0 (the default): 64 up to 64 rows, 128 up to 128, else 256.
+  void set_fused_tile(int rows_of_x) { fused_tile_ = rows_of_x; }
+  // Whether this device runs the fused kernel (sm_90a), and whether it does for these operands
+  // (else kFused runs kMaterialize).
+  bool fused_available() const { return fused_arch_; }
   bool fused_gemm_supported(const __nv_bfloat16* w, int K, const __nv_bfloat16* x) const;
 
  private:
@@ -63,6 +68,7 @@ class PrefillLinear {
   cudaStream_t stream_;
   cudaStream_t helper_ = nullptr;
   bool fused_arch_ = false;  // the device runs the sm_90a fused GEMM
+  int fused_tile_ = 0;
   cublasHandle_t handle_ = nullptr;
   size_t scratch_elems_;
   __nv_bfloat16* scratch_[2] = {nullptr, nullptr};
