@@ -46,7 +46,7 @@ __global__ void expand_kernel(const __nv_bfloat16* w, int K, const uint8_t* sign
   }
 }
 
-// --- The fused GEMM: W_eff formed in registers on its way to the tensor cores ---------------------
+// --- The fused GEMM: W_eff formed in registers on its way to the tensor cores -------------------
 //
 // D = W_eff · Xᵀ per tile of BM output rows (n) × BN rows of x (m), the transposed product so that
 // W is wgmma's A operand, which may come from registers: each consumer thread loads its A fragment
@@ -73,9 +73,11 @@ struct FusedTile {
   // registers of a lane, of which a stage needs two: a box's innermost extent must be 16 bytes).
   static constexpr int kSignBytes = BM / 16 * 8 * 2 * 4 * 4;
   static constexpr int kStageBytes = kWBytes + kXBytes + kSignBytes;
-  static constexpr int kStages = (220 * 1024 - 1024) / kStageBytes < 6 ? (220 * 1024 - 1024) / kStageBytes : 6;
+  static constexpr int kStages =
+      (220 * 1024 - 1024) / kStageBytes < 6 ? (220 * 1024 - 1024) / kStageBytes : 6;
   static constexpr int kSmem = kStages * kStageBytes + 2 * kStages * 8 + 1024;
-  static constexpr int kRegs = C == 2 ? 232 : 248;  // consumers' registers (setmaxnreg); producer 40
+  static constexpr int kRegs =
+      C == 2 ? 232 : 248;  // consumers' registers (setmaxnreg); producer 40
   // Register sets of W fragments: stage s uses set s % kSets, and after it the wgmma of the last
   // kSets − 1 stages may still run (so many fit beside the accumulators: two for 64 × 256 tiles,
   // whose stage is twice as long on the tensor cores).
@@ -116,18 +118,22 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
 }
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                       uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
-__device__ __forceinline__ void tma_5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, int c4,
-                                       uint32_t bar) {
+__device__ __forceinline__ void tma_5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                       int c3, int c4, uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], "
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4, %5, %6}], "
       "[%7];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
       : "memory");
@@ -135,105 +141,154 @@ __device__ __forceinline__ void tma_5d(uint32_t dst, const CUtensorMap* map, int
 
 // wgmma descriptor of a K-major tile of 8-row × 128-byte swizzle atoms (1024 B apart).
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
-  return uint64_t((addr >> 4) & 0x3FFF) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+  return uint64_t((addr >> 4) & 0x3FFF) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
 }
 
-// d (64 rows × N columns of f32 per warpgroup) = a (registers: this warp's 16 rows × 16) · B (desc),
-// plus d when Accumulate (scale-d as an immediate: a zeroed accumulator or a predicate set in the
-// asm would be ordinary instructions defining wgmma inputs, and ptxas then serializes the wgmma).
+// d (64 rows × N columns of f32 per warpgroup) = a (registers: this warp's 16 rows × 16) · B
+// (desc), plus d when Accumulate (scale-d as an immediate: a zeroed accumulator or a predicate set
+// in the asm would be ordinary instructions defining wgmma inputs, and ptxas then serializes the
+// wgmma).
 template <int N, bool Accumulate>
-__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], const uint32_t (&a)[4],
+                                             uint64_t desc) {
   static_assert(N == 64 || N == 128 || N == 256);
   if constexpr (N == 64) {
     if constexpr (Accumulate)
       asm volatile(
           "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, "
+          "%36, 1, 1, 1, 0;\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+            "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+            "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+            "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+            "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
           : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
     else
       asm volatile(
           "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 0, 1, 1, 0;\n"
-          : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
-          "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
-          "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
-          "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, "
+          "%36, 0, 1, 1, 0;\n"
+          : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]),
+            "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]),
+            "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]),
+            "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]),
+            "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
           : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
   }
   if constexpr (N == 128) {
     if constexpr (Accumulate)
       asm volatile(
           "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+          "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+          "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, "
+          "1, 1, 0;\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+            "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+            "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+            "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+            "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+            "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+            "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+            "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+            "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+            "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+            "+f"(d[62]), "+f"(d[63])
           : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
     else
       asm volatile(
           "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 0, 1, 1, 0;\n"
-          : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
-          "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
-          "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
-          "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
-          "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]),
-          "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]),
-          "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
-          "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+          "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+          "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 0, "
+          "1, 1, 0;\n"
+          : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]),
+            "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]),
+            "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]),
+            "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]),
+            "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
+            "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]),
+            "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]),
+            "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]),
+            "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
+            "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]),
+            "=f"(d[62]), "=f"(d[63])
           : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
   }
   if constexpr (N == 256) {
     if constexpr (Accumulate)
       asm volatile(
           "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, 1, 1, 1, 0;\n"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+          "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+          "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, "
+          "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, "
+          "%87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, "
+          "%103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, "
+          "%117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, "
+          "%131}, %132, 1, 1, 1, 0;\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+            "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+            "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+            "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+            "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+            "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+            "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+            "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+            "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+            "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+            "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]),
+            "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]),
+            "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+            "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]),
+            "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+            "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+            "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+            "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+            "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+            "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+            "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
           : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
     else
       asm volatile(
           "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, 0, 1, 1, 0;\n"
-          : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
-          "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
-          "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
-          "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
-          "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]),
-          "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]),
-          "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
-          "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63]),
-          "=f"(d[64]), "=f"(d[65]), "=f"(d[66]), "=f"(d[67]), "=f"(d[68]), "=f"(d[69]), "=f"(d[70]), "=f"(d[71]),
-          "=f"(d[72]), "=f"(d[73]), "=f"(d[74]), "=f"(d[75]), "=f"(d[76]), "=f"(d[77]), "=f"(d[78]), "=f"(d[79]),
-          "=f"(d[80]), "=f"(d[81]), "=f"(d[82]), "=f"(d[83]), "=f"(d[84]), "=f"(d[85]), "=f"(d[86]), "=f"(d[87]),
-          "=f"(d[88]), "=f"(d[89]), "=f"(d[90]), "=f"(d[91]), "=f"(d[92]), "=f"(d[93]), "=f"(d[94]), "=f"(d[95]),
-          "=f"(d[96]), "=f"(d[97]), "=f"(d[98]), "=f"(d[99]), "=f"(d[100]), "=f"(d[101]), "=f"(d[102]), "=f"(d[103]),
-          "=f"(d[104]), "=f"(d[105]), "=f"(d[106]), "=f"(d[107]), "=f"(d[108]), "=f"(d[109]), "=f"(d[110]), "=f"(d[111]),
-          "=f"(d[112]), "=f"(d[113]), "=f"(d[114]), "=f"(d[115]), "=f"(d[116]), "=f"(d[117]), "=f"(d[118]), "=f"(d[119]),
-          "=f"(d[120]), "=f"(d[121]), "=f"(d[122]), "=f"(d[123]), "=f"(d[124]), "=f"(d[125]), "=f"(d[126]), "=f"(d[127])
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+          "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+          "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, "
+          "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, "
+          "%87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, "
+          "%103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, "
+          "%117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, "
+          "%131}, %132, 0, 1, 1, 0;\n"
+          : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]),
+            "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]),
+            "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]),
+            "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]),
+            "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
+            "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]),
+            "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]),
+            "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]),
+            "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
+            "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]),
+            "=f"(d[62]), "=f"(d[63]), "=f"(d[64]), "=f"(d[65]), "=f"(d[66]), "=f"(d[67]),
+            "=f"(d[68]), "=f"(d[69]), "=f"(d[70]), "=f"(d[71]), "=f"(d[72]), "=f"(d[73]),
+            "=f"(d[74]), "=f"(d[75]), "=f"(d[76]), "=f"(d[77]), "=f"(d[78]), "=f"(d[79]),
+            "=f"(d[80]), "=f"(d[81]), "=f"(d[82]), "=f"(d[83]), "=f"(d[84]), "=f"(d[85]),
+            "=f"(d[86]), "=f"(d[87]), "=f"(d[88]), "=f"(d[89]), "=f"(d[90]), "=f"(d[91]),
+            "=f"(d[92]), "=f"(d[93]), "=f"(d[94]), "=f"(d[95]), "=f"(d[96]), "=f"(d[97]),
+            "=f"(d[98]), "=f"(d[99]), "=f"(d[100]), "=f"(d[101]), "=f"(d[102]), "=f"(d[103]),
+            "=f"(d[104]), "=f"(d[105]), "=f"(d[106]), "=f"(d[107]), "=f"(d[108]), "=f"(d[109]),
+            "=f"(d[110]), "=f"(d[111]), "=f"(d[112]), "=f"(d[113]), "=f"(d[114]), "=f"(d[115]),
+            "=f"(d[116]), "=f"(d[117]), "=f"(d[118]), "=f"(d[119]), "=f"(d[120]), "=f"(d[121]),
+            "=f"(d[122]), "=f"(d[123]), "=f"(d[124]), "=f"(d[125]), "=f"(d[126]), "=f"(d[127])
           : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
   }
 }
@@ -245,7 +300,8 @@ __device__ __forceinline__ uint32_t delta_pair(uint32_t z, uint32_t alpha2) {
 }
 
 __device__ __forceinline__ uint32_t bf16x2_add(uint32_t a, uint32_t b) {
-  __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a), y = *reinterpret_cast<__nv_bfloat162*>(&b);
+  __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a),
+                 y = *reinterpret_cast<__nv_bfloat162*>(&b);
   __nv_bfloat162 s = __hadd2(x, y);
   return *reinterpret_cast<uint32_t*>(&s);
 }
@@ -254,19 +310,21 @@ __device__ __forceinline__ uint32_t bf16x2_add(uint32_t a, uint32_t b) {
 // Delta = false: W alone (the same kernel without the sign term: what the expansion costs).
 template <bool Delta, typename T>
 __global__ void __launch_bounds__(T::kThreads, 1)
-    fused_gemm_kernel(const __grid_constant__ FusedMaps maps, const float* __restrict__ alpha, int per_row,
-                      float* __restrict__ y, int N, int K, int M) {
+    fused_gemm_kernel(const __grid_constant__ FusedMaps maps, const float* __restrict__ alpha,
+                      int per_row, float* __restrict__ y, int N, int K, int M) {
 #ifdef BITDELTA_FUSED_WGMMA
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   constexpr int S = T::kStages;
-  uint8_t* w_tiles = smem;                          // [stage][BM rows][128 B], swizzled
-  uint8_t* x_tiles = smem + S * T::kWBytes;         // [stage][BN rows][128 B], swizzled
-  uint8_t* s_tiles = x_tiles + S * T::kXBytes;      // [stage][BM/16 rg][8 g][2 t'][4 i] words
+  uint8_t* w_tiles = smem;                      // [stage][BM rows][128 B], swizzled
+  uint8_t* x_tiles = smem + S * T::kWBytes;     // [stage][BN rows][128 B], swizzled
+  uint8_t* s_tiles = x_tiles + S * T::kXBytes;  // [stage][BM/16 rg][8 g][2 t'][4 i] words
   const uint32_t full0 = smem_addr(smem + S * T::kStageBytes), empty0 = full0 + 8 * S;
 
   const int MT = (M + T::BN - 1) / T::BN;
-  const int n0 = int(blockIdx.x) / MT * T::BM, m0 = int(blockIdx.x) % MT * T::BN;  // m fastest: a W tile's CTAs run together
+  const int n0 = int(blockIdx.x) / MT * T::BM,
+            m0 = int(blockIdx.x) % MT * T::BN;  // m fastest: a W tile's CTAs run together
   const int tid = threadIdx.x, KT = K / kFusedBK;
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
@@ -288,127 +346,132 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         tma_2d(smem_addr(w_tiles + slot * T::kWBytes), &maps.w, k0, n0, full);
         tma_2d(smem_addr(x_tiles + slot * T::kXBytes), &maps.x, k0, m0, full);
         if (Delta)
-          tma_5d(smem_addr(s_tiles + slot * T::kSignBytes), &maps.signs, 0, 2 * (s & 1), 0, k0 >> 8, n0 / 16, full);
+          tma_5d(smem_addr(s_tiles + slot * T::kSignBytes), &maps.signs, 0, 2 * (s & 1), 0, k0 >> 8,
+                 n0 / 16, full);
       }
   } else {  // the consumer warpgroups
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(T::kRegs));
-  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int rw = 64 * wg + 16 * warp;  // this warp's first row in the tile
-  // α of rows g and g + 8 as bf16 pairs (both halves); flipping the sign bits gives −α.
-  uint32_t alpha2[2];
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(T::kRegs));
+    const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int rw = 64 * wg + 16 * warp;  // this warp's first row in the tile
+    // α of rows g and g + 8 as bf16 pairs (both halves); flipping the sign bits gives −α.
+    uint32_t alpha2[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int n = min(n0 + rw + g + 8 * h, N - 1);
-    const __nv_bfloat16 a = __float2bfloat16_rn(Delta ? alpha[per_row ? n : 0] : 0.0f);
-    const uint16_t bits = *reinterpret_cast<const uint16_t*>(&a);
-    alpha2[h] = uint32_t(bits) | (uint32_t(bits) << 16);
-  }
-  // ldmatrix.x4 source of this lane: matrix q = lane / 8 (rows +8·(q&1), columns +8·(q>>1)), row lane % 8.
-  const int lrow = rw + ((lane >> 3) & 1) * 8 + (lane & 7), lcol = lane >> 4;
-  const uint32_t s_smem = smem_addr(s_tiles) + ((rw >> 4) * 8 + g) * 32;
-
-  float acc[T::BN / 2];  // written first by stage 0's wgmma (scale-d = 0)
-  uint32_t afrag[T::kSets][4][4];
-
-  // Stage kt: wait for its copies, expand its fragments into register set P, issue its 4 wgmma,
-  // then wait until at most the wgmma of this stage and the kSets − 2 before it run, and release
-  // the slot of the stage before those. Branch-free: ptxas serializes
-  // the wgmma of a loop with branches in it.
-  const auto stage = [&]<int P, bool First, bool Release>(int kt) {
-    const int slot = kt % S, s = ((kt * kFusedBK) & 255) >> 6;
-    mbar_wait(full0 + 8 * slot, (kt / S) & 1);
-    const uint8_t* wt = w_tiles + slot * T::kWBytes;
-    // Words (t', i): i = 2(s>>1) for row g, +1 for row g + 8; t' even for columns 0..31 of the
-    // stage, odd for 32..63. Inverted (1 = −α) and shifted so that column 2t of each 16 is at bit
-    // 0 (rows: x, y for t' even, z, w for t' odd).
-    [[maybe_unused]] const uint32_t sp = s_smem + slot * T::kSignBytes + 8 * (s >> 1);
-    uint2 e{}, o{};
-    if constexpr (Delta) {
-      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e.x), "=r"(e.y) : "r"(sp));
-      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(o.x), "=r"(o.y) : "r"(sp + 16));
+    for (int h = 0; h < 2; ++h) {
+      const int n = min(n0 + rw + g + 8 * h, N - 1);
+      const __nv_bfloat16 a = __float2bfloat16_rn(Delta ? alpha[per_row ? n : 0] : 0.0f);
+      const uint16_t bits = *reinterpret_cast<const uint16_t*>(&a);
+      alpha2[h] = uint32_t(bits) | (uint32_t(bits) << 16);
     }
-    const uint32_t nw[4] = {~e.x >> (2 * t), ~e.y >> (2 * t), ~o.x >> (2 * t), ~o.y >> (2 * t)};
-    // Per word, the pairs' bits (0,1), (8,9), (16,17), (24,25) rearranged as (0,16), (8,24) for
-    // columns 0..15 (zl) and 16..31 (zh) of the word: one shift and mask per pair.
-    uint32_t zl[4], zh[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t u = nw[i] & 0x01010101u, v = (nw[i] >> 1) & 0x01010101u;
-      zl[i] = (u & 0xFFFFu) | (v << 16);
-      zh[i] = (u >> 16) | (v & 0xFFFF0000u);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t addr = smem_addr(wt + lrow * 128 + (((2 * j + lcol) ^ (lrow & 7)) << 4));
-      uint32_t r0, r1, r2, r3;
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                   : "r"(addr));
-      // Chunk j: columns 16j.. of the stage: word t' = j / 2, half j % 2 of it.
-      [[maybe_unused]] const uint32_t z0 = (j & 1) ? zh[(j >> 1) * 2] : zl[(j >> 1) * 2];      // row g
-      [[maybe_unused]] const uint32_t z8 = (j & 1) ? zh[(j >> 1) * 2 + 1] : zl[(j >> 1) * 2 + 1];  // row g + 8
+    // ldmatrix.x4 source of this lane: matrix q = lane / 8 (rows +8·(q&1), columns +8·(q>>1)), row
+    // lane % 8.
+    const int lrow = rw + ((lane >> 3) & 1) * 8 + (lane & 7), lcol = lane >> 4;
+    const uint32_t s_smem = smem_addr(s_tiles) + ((rw >> 4) * 8 + g) * 32;
+
+    float acc[T::BN / 2];  // written first by stage 0's wgmma (scale-d = 0)
+    uint32_t afrag[T::kSets][4][4];
+
+    // Stage kt: wait for its copies, expand its fragments into register set P, issue its 4 wgmma,
+    // then wait until at most the wgmma of this stage and the kSets − 2 before it run, and release
+    // the slot of the stage before those. Branch-free: ptxas serializes the wgmma of a loop with
+    // branches in it.
+    const auto stage = [&]<int P, bool First, bool Release>(int kt) {
+      const int slot = kt % S, s = ((kt * kFusedBK) & 255) >> 6;
+      mbar_wait(full0 + 8 * slot, (kt / S) & 1);
+      const uint8_t* wt = w_tiles + slot * T::kWBytes;
+      // Words (t', i): i = 2(s>>1) for row g, +1 for row g + 8; t' even for columns 0..31 of the
+      // stage, odd for 32..63. Inverted (1 = −α) and shifted so that column 2t of each 16 is at bit
+      // 0 (rows: x, y for t' even, z, w for t' odd).
+      [[maybe_unused]] const uint32_t sp = s_smem + slot * T::kSignBytes + 8 * (s >> 1);
+      uint2 e{}, o{};
       if constexpr (Delta) {
-        afrag[P][j][0] = bf16x2_add(r0, delta_pair<0>(z0, alpha2[0]));
-        afrag[P][j][1] = bf16x2_add(r1, delta_pair<0>(z8, alpha2[1]));
-        afrag[P][j][2] = bf16x2_add(r2, delta_pair<8>(z0, alpha2[0]));
-        afrag[P][j][3] = bf16x2_add(r3, delta_pair<8>(z8, alpha2[1]));
-      } else {
-        afrag[P][j][0] = r0, afrag[P][j][1] = r1, afrag[P][j][2] = r2, afrag[P][j][3] = r3;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e.x), "=r"(e.y) : "r"(sp));
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(o.x), "=r"(o.y) : "r"(sp + 16));
       }
-    }
-    const uint64_t desc = sw128_desc(smem_addr(x_tiles + slot * T::kXBytes));
-    uint64_t descs[4];
+      const uint32_t nw[4] = {~e.x >> (2 * t), ~e.y >> (2 * t), ~o.x >> (2 * t), ~o.y >> (2 * t)};
+      // Per word, the pairs' bits (0,1), (8,9), (16,17), (24,25) rearranged as (0,16), (8,24) for
+      // columns 0..15 (zl) and 16..31 (zh) of the word: one shift and mask per pair.
+      uint32_t zl[4], zh[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) descs[j] = desc + 2 * j;  // +32 B per 16 columns
-    // Pin the wgmma inputs' definitions before the fence.
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t u = nw[i] & 0x01010101u, v = (nw[i] >> 1) & 0x01010101u;
+        zl[i] = (u & 0xFFFFu) | (v << 16);
+        zh[i] = (u >> 16) | (v & 0xFFFF0000u);
+      }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      asm volatile("" : "+l"(descs[j])::"memory");
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t addr = smem_addr(wt + lrow * 128 + (((2 * j + lcol) ^ (lrow & 7)) << 4));
+        uint32_t r0, r1, r2, r3;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                     : "r"(addr));
+        // Chunk j: columns 16j.. of the stage: word t' = j / 2, half j % 2 of it.
+        [[maybe_unused]] const uint32_t z0 =
+            (j & 1) ? zh[(j >> 1) * 2] : zl[(j >> 1) * 2];  // row g
+        [[maybe_unused]] const uint32_t z8 =
+            (j & 1) ? zh[(j >> 1) * 2 + 1] : zl[(j >> 1) * 2 + 1];  // row g + 8
+        if constexpr (Delta) {
+          afrag[P][j][0] = bf16x2_add(r0, delta_pair<0>(z0, alpha2[0]));
+          afrag[P][j][1] = bf16x2_add(r1, delta_pair<0>(z8, alpha2[1]));
+          afrag[P][j][2] = bf16x2_add(r2, delta_pair<8>(z0, alpha2[0]));
+          afrag[P][j][3] = bf16x2_add(r3, delta_pair<8>(z8, alpha2[1]));
+        } else {
+          afrag[P][j][0] = r0, afrag[P][j][1] = r1, afrag[P][j][2] = r2, afrag[P][j][3] = r3;
+        }
+      }
+      const uint64_t desc = sw128_desc(smem_addr(x_tiles + slot * T::kXBytes));
+      uint64_t descs[4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(afrag[P][j][r])::"memory");
-    }
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    wgmma_m64k16<T::BN, !First>(acc, afrag[P][0], descs[0]);
+      for (int j = 0; j < 4; ++j) descs[j] = desc + 2 * j;  // +32 B per 16 columns
+        // Pin the wgmma inputs' definitions before the fence.
 #pragma unroll
-    for (int j = 1; j < 4; ++j) wgmma_m64k16<T::BN, true>(acc, afrag[P][j], descs[j]);
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(T::kSets - 1) : "memory");
-    if constexpr (Release) mbar_arrive(empty0 + 8 * ((kt + S - (T::kSets - 1)) % S));
-  };
-  // Stage s releases the slot of stage s − (kSets − 1), whose wgmma the wait retired; the first
-  // kSets − 1 stages release none. The loop takes kSets stages at a time (register sets by constant).
-  if constexpr (T::kSets == 3) {
-    stage.template operator()<0, true, false>(0);
-    stage.template operator()<1, false, false>(1);
-    int kt = 2;
-    for (; kt + 2 < KT; kt += 3) {
-      stage.template operator()<2, false, true>(kt);
-      stage.template operator()<0, false, true>(kt + 1);
-      stage.template operator()<1, false, true>(kt + 2);
+      for (int j = 0; j < 4; ++j) {
+        asm volatile("" : "+l"(descs[j])::"memory");
+#pragma unroll
+        for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(afrag[P][j][r])::"memory");
+      }
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      wgmma_m64k16<T::BN, !First>(acc, afrag[P][0], descs[0]);
+#pragma unroll
+      for (int j = 1; j < 4; ++j) wgmma_m64k16<T::BN, true>(acc, afrag[P][j], descs[j]);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(T::kSets - 1) : "memory");
+      if constexpr (Release) mbar_arrive(empty0 + 8 * ((kt + S - (T::kSets - 1)) % S));
+    };
+    // Stage s releases the slot of stage s − (kSets − 1), whose wgmma the wait retired; the first
+    // kSets − 1 stages release none. The loop takes kSets stages at a time (register sets by
+    // constant).
+    if constexpr (T::kSets == 3) {
+      stage.template operator()<0, true, false>(0);
+      stage.template operator()<1, false, false>(1);
+      int kt = 2;
+      for (; kt + 2 < KT; kt += 3) {
+        stage.template operator()<2, false, true>(kt);
+        stage.template operator()<0, false, true>(kt + 1);
+        stage.template operator()<1, false, true>(kt + 2);
+      }
+      if (kt < KT) stage.template operator()<2, false, true>(kt);
+      if (kt + 1 < KT) stage.template operator()<0, false, true>(kt + 1);
+    } else {
+      stage.template operator()<0, true, false>(0);
+      int kt = 1;
+      for (; kt + 1 < KT; kt += 2) {
+        stage.template operator()<1, false, true>(kt);
+        stage.template operator()<0, false, true>(kt + 1);
+      }
+      if (kt < KT) stage.template operator()<1, false, true>(kt);
     }
-    if (kt < KT) stage.template operator()<2, false, true>(kt);
-    if (kt + 1 < KT) stage.template operator()<0, false, true>(kt + 1);
-  } else {
-    stage.template operator()<0, true, false>(0);
-    int kt = 1;
-    for (; kt + 1 < KT; kt += 2) {
-      stage.template operator()<1, false, true>(kt);
-      stage.template operator()<0, false, true>(kt + 1);
-    }
-    if (kt < KT) stage.template operator()<1, false, true>(kt);
-  }
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
-  // acc[4i + e]: row g, x row 8i + 2t + e; acc[4i + 2 + e]: row g + 8. y is [M, N].
+    // acc[4i + e]: row g, x row 8i + 2t + e; acc[4i + 2 + e]: row g + 8. y is [M, N].
 #pragma unroll
-  for (int i = 0; i < T::BN / 8; ++i)
+    for (int i = 0; i < T::BN / 8; ++i)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int m = m0 + 8 * i + 2 * t + e, n = n0 + rw + g;
-      if (m >= M) continue;
-      if (n < N) y[size_t(m) * N + n] = acc[4 * i + e];
-      if (n + 8 < N) y[size_t(m) * N + n + 8] = acc[4 * i + 2 + e];
-    }
+      for (int e = 0; e < 2; ++e) {
+        const int m = m0 + 8 * i + 2 * t + e, n = n0 + rw + g;
+        if (m >= M) continue;
+        if (n < N) y[size_t(m) * N + n] = acc[4 * i + e];
+        if (n + 8 < N) y[size_t(m) * N + n + 8] = acc[4 * i + 2 + e];
+      }
   }
 #endif
 }
@@ -418,7 +481,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
         q != cudaDriverEntryPointSuccess)
       return PFN_cuTensorMapEncodeTiled_v12000(nullptr);
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
@@ -426,12 +490,14 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-void encode(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base, const cuuint64_t* dims,
-            const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swizzle) {
+void encode(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base,
+            const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+            CUtensorMapSwizzle swizzle) {
   const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
-  const CUresult r = tensor_map_encoder()(map, type, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, unit,
-                                          CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      tensor_map_encoder()(map, type, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box,
+                           unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) fail("cuda::PrefillLinear: cuTensorMapEncodeTiled failed (", int(r), ")");
 }
 
@@ -464,12 +530,17 @@ PrefillLinear::PrefillLinear(cudaStream_t stream, size_t scratch_elems)
   fused_arch_ = prop.major == 9 && prop.minor == 0 && tensor_map_encoder() != nullptr;
   if (fused_arch_) {
     const auto allow = [](const void* kernel, int bytes) {
-      BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+      BITDELTA_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     };
-    allow(reinterpret_cast<const void*>(fused_gemm_kernel<true, FusedTile128>), FusedTile128::kSmem);
-    allow(reinterpret_cast<const void*>(fused_gemm_kernel<false, FusedTile128>), FusedTile128::kSmem);
-    allow(reinterpret_cast<const void*>(fused_gemm_kernel<true, FusedTile256>), FusedTile256::kSmem);
-    allow(reinterpret_cast<const void*>(fused_gemm_kernel<false, FusedTile256>), FusedTile256::kSmem);
+    allow(reinterpret_cast<const void*>(fused_gemm_kernel<true, FusedTile128>),
+          FusedTile128::kSmem);
+    allow(reinterpret_cast<const void*>(fused_gemm_kernel<false, FusedTile128>),
+          FusedTile128::kSmem);
+    allow(reinterpret_cast<const void*>(fused_gemm_kernel<true, FusedTile256>),
+          FusedTile256::kSmem);
+    allow(reinterpret_cast<const void*>(fused_gemm_kernel<false, FusedTile256>),
+          FusedTile256::kSmem);
     allow(reinterpret_cast<const void*>(fused_gemm_kernel<true, FusedTile64>), FusedTile64::kSmem);
     allow(reinterpret_cast<const void*>(fused_gemm_kernel<false, FusedTile64>), FusedTile64::kSmem);
   }
@@ -500,23 +571,28 @@ void PrefillLinear::gemm(const __nv_bfloat16* w_rows, int n_rows, int K, const _
                                      CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-bool PrefillLinear::fused_gemm_supported(const __nv_bfloat16* w, int K, const __nv_bfloat16* x) const {
-  return fused_arch_ && K % kFusedBK == 0 && K >= 2 * kFusedBK && (reinterpret_cast<uintptr_t>(w) & 15) == 0 &&
-         (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+bool PrefillLinear::fused_gemm_supported(const __nv_bfloat16* w, int K,
+                                         const __nv_bfloat16* x) const {
+  return fused_arch_ && K % kFusedBK == 0 && K >= 2 * kFusedBK &&
+         (reinterpret_cast<uintptr_t>(w) & 15) == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0;
 }
 
 template <typename T>
-void launch_fused(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows, const DeltaRef& delta,
-                  float* y, cudaStream_t stream) {
+void launch_fused(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
+                  const DeltaRef& delta, float* y, cudaStream_t stream) {
   FusedMaps maps;
-  const cuuint64_t wdims[2] = {cuuint64_t(K), cuuint64_t(N)}, xdims[2] = {cuuint64_t(K), cuuint64_t(rows)};
+  const cuuint64_t wdims[2] = {cuuint64_t(K), cuuint64_t(N)},
+                   xdims[2] = {cuuint64_t(K), cuuint64_t(rows)};
   const cuuint64_t rstride[1] = {cuuint64_t(K) * 2};
   const cuuint32_t wbox[2] = {kFusedBK, T::BM}, xbox[2] = {kFusedBK, T::BN};
-  encode(&maps.w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, wdims, rstride, wbox, CU_TENSOR_MAP_SWIZZLE_128B);
-  encode(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, xdims, rstride, xbox, CU_TENSOR_MAP_SWIZZLE_128B);
+  encode(&maps.w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, wdims, rstride, wbox,
+         CU_TENSOR_MAP_SWIZZLE_128B);
+  encode(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, xdims, rstride, xbox,
+         CU_TENSOR_MAP_SWIZZLE_128B);
   const unsigned blocks = unsigned((N + T::BM - 1) / T::BM) * unsigned((rows + T::BN - 1) / T::BN);
   if (!delta.signs) {  // W alone
-    fused_gemm_kernel<false, T><<<blocks, T::kThreads, T::kSmem, stream>>>(maps, nullptr, 0, y, N, K, rows);
+    fused_gemm_kernel<false, T>
+        <<<blocks, T::kThreads, T::kSmem, stream>>>(maps, nullptr, 0, y, N, K, rows);
     BITDELTA_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -525,14 +601,15 @@ void launch_fused(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, 
   const cuuint64_t sdims[5] = {4, 4, 8, cuuint64_t(KB), cuuint64_t((N + 15) / 16)};
   const cuuint64_t sstrides[4] = {16, 64, 512, 512 * cuuint64_t(KB)};
   const cuuint32_t sbox[5] = {4, 2, 8, 1, T::BM / 16};
-  encode(&maps.signs, CU_TENSOR_MAP_DATA_TYPE_UINT32, 5, delta.signs, sdims, sstrides, sbox, CU_TENSOR_MAP_SWIZZLE_NONE);
-  fused_gemm_kernel<true, T><<<blocks, T::kThreads, T::kSmem, stream>>>(maps, delta.alpha, delta.alpha_per_row ? 1 : 0,
-                                                                          y, N, K, rows);
+  encode(&maps.signs, CU_TENSOR_MAP_DATA_TYPE_UINT32, 5, delta.signs, sdims, sstrides, sbox,
+         CU_TENSOR_MAP_SWIZZLE_NONE);
+  fused_gemm_kernel<true, T><<<blocks, T::kThreads, T::kSmem, stream>>>(
+      maps, delta.alpha, delta.alpha_per_row ? 1 : 0, y, N, K, rows);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
-void PrefillLinear::fused_gemm(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
-                               const DeltaRef& delta, float* y) {
+void PrefillLinear::fused_gemm(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x,
+                               int rows, const DeltaRef& delta, float* y) {
   const int tile = fused_tile_ ? fused_tile_ : rows > 128 ? 256 : rows > 64 ? 128 : 64;
   if (tile == 256)
     launch_fused<FusedTile256>(w, N, K, x, rows, delta, y, stream_);

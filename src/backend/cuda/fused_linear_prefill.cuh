@@ -7,11 +7,13 @@
 //                 GEMM on it
 //   kPipelined    kMaterialize with the expansion of chunk i+1 on a second stream, overlapping the
 //                 (compute-bound) GEMM of chunk i; two scratch buffers
-//   kFused        one kernel (sm_90a, wgmma): W_eff = W + α⊙S formed in registers per tile on its way
+//   kFused        one kernel (sm_90a, wgmma): W_eff = W + α⊙S formed in registers per tile on its
+//   way
 //                 to the tensor cores, never in memory; W_eff rounded to bf16 as bf16(w ± bf16(α)).
 //                 The engine's method. Needs K a multiple of 64 (at least 128) and 16-byte aligned
 //                 W and x; otherwise, or on another GPU, it runs kMaterialize. Without a delta it
-//                 runs the same kernel on W alone (the benchmark's measure of the expansion's cost).
+//                 runs the same kernel on W alone (the benchmark's measure of the expansion's
+//                 cost).
 // Signs are in the packed device layout (packed_signs.h). W_eff is rounded to bf16 (≤ 2⁻⁹ relative
 // per weight).
 #pragma once
@@ -62,8 +64,8 @@ class PrefillLinear {
  private:
   void gemm(const __nv_bfloat16* w_rows, int n_rows, int K, const __nv_bfloat16* x, int rows,
             float* y, int ldy, float beta);
-  void fused_gemm(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows, const DeltaRef& delta,
-                  float* y);
+  void fused_gemm(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
+                  const DeltaRef& delta, float* y);
 
   cudaStream_t stream_;
   cudaStream_t helper_ = nullptr;
