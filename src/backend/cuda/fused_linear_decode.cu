@@ -293,17 +293,18 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
         load_base<RG, kU>(wA, wB, xrow, kb * kDBlock + kU * h * kKBlock, K, ci, aligned, we, wf, xe, xf);
       };
       const auto mma_batch = [&](int h) { mma_base<RG, kU>(kb * kDBlock + kU * h * kKBlock, K, we, wf, xe, xf, acc); };
-      // W's first batch goes out before the slots' loads (and before the first block's wait for the
-      // quantized x).
+      // W's first batch goes out before the slots' loads.
       if (has_base) load_batch(0);
       uint4 sa[MS], xbf[MS][RS];
       float sc[MS][RS];
       // The slots' x fragments: with one row per slot, loaded with the signs (in flight during the
-      // base); with 4 rows per slot, after the base (fewer registers live across it).
+      // base); with 4 rows per slot, after the base (fewer registers live across it). In the first
+      // block, after its base too: the wait for the quantized x falls after a block of W's stream
+      // instead of stalling it (the signs do not depend on that launch).
       const auto load_x = [&]() { load_slot_x<MAXS>(p, slots, nmine, kb, lane, xbf, sc); };
+      const bool first = kb == kb_begin;
       load_slot_signs<MAXS>(sgn, nmine, kb, sa);
-      if (MAXS > 0 && kb == kb_begin) wait_for_prerequisite();
-      if (RS == 1) load_x();
+      if (RS == 1 && !first) load_x();
       if (has_base) {
         mma_batch(0);
 #pragma unroll 1
@@ -312,7 +313,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
           mma_batch(h);
         }
       }
-      if (RS > 1) load_x();
+      if (MAXS > 0 && first) wait_for_prerequisite();
+      if (RS > 1 || first) load_x();
       for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int) {
         delta_block(sa[s], xbf[s][i], sc[s][i], pw, dacc[s][i]);
       });
