@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <vector>
 
@@ -155,9 +156,6 @@ __attribute__((target("avx2,fma"))) void build_table_avx2(const float* x, size_t
   }
 }
 
-// Output rows per tile for nr batch rows, within 16 vector registers (nr·outputs accumulators,
-// `outputs` weight vectors and one x vector): 4 for 1–2 rows, else 2.
-constexpr size_t tile_outputs_16regs(size_t nr) { return nr <= 2 ? 4 : 2; }
 
 namespace avx2 {
 #define BD_TARGET "avx2,fma,f16c"
@@ -165,7 +163,9 @@ struct Vec {
   using F = __m256;
   using I = __m256i;
   static constexpr size_t L = 8, kTileRows = 4;
-  static constexpr size_t outputs(size_t nr) { return tile_outputs_16regs(nr); }
+  // Output rows per tile for nr batch rows, within 16 vector registers (nr·outputs accumulators,
+  // `outputs` weight vectors and one x vector): 4 for 1–2 rows, else 2.
+  static constexpr size_t outputs(size_t nr) { return nr <= 2 ? 4 : 2; }
 #define BD_V __attribute__((target(BD_TARGET), always_inline)) static inline
   BD_V F zero() { return _mm256_setzero_ps(); }
   BD_V F loadu(const float* p) { return _mm256_loadu_ps(p); }
@@ -403,17 +403,16 @@ void check_shapes(const TensorView& w, std::span<const float> x, size_t rows,
 }  // namespace
 
 bool cpu_has(Isa isa) {
-  __builtin_cpu_init();
-  switch (isa) {
-    case Isa::scalar:
-      return true;
-    case Isa::avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    case Isa::avx512:
-      return cpu_has(Isa::avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl");
-  }
-  return false;
+  // Asked on every call of fused_linear: the CPU's answers are read once.
+  static const std::array<bool, 3> has = [] {
+    __builtin_cpu_init();
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    return std::array<bool, 3>{true, avx2, avx512};
+  }();
+  return has[size_t(isa)];
 }
 
 const char* isa_name(Isa isa) {

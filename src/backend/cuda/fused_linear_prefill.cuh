@@ -10,9 +10,9 @@
 //   kFused        one kernel (sm_90a, wgmma): W_eff = W + α⊙S formed in registers per tile on its
 //   way
 //                 to the tensor cores, never in memory; W_eff rounded to bf16 as bf16(w ± bf16(α)).
-//                 The engine's method. Needs K a multiple of 64 (at least 128) and 16-byte aligned
-//                 W and x; otherwise, or on another GPU, it runs kMaterialize. Without a delta it
-//                 runs the same kernel on W alone (the benchmark's measure of the expansion's
+//                 The engine's method. Needs K a multiple of 64 (at least 128) and 16-byte
+//                 aligned W, x and signs; otherwise, or on another GPU, it runs kMaterialize.
+//                 Without a delta it runs the same kernel on W alone (the benchmark's measure of the expansion's
 //                 cost).
 // Signs are in the packed device layout (packed_signs.h). W_eff is rounded to bf16 (≤ 2⁻⁹ relative
 // per weight).
