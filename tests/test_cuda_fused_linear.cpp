@@ -28,6 +28,7 @@
 #include "backend/cuda/fused_linear_decode.cuh"
 #include "backend/cuda/fused_linear_prefill.cuh"
 #include "backend/cuda/fused_linear_reference.cuh"
+#include "backend/cuda/fused_linear_stream.cuh"
 #include "bitdelta/dtype.h"
 
 namespace {
@@ -161,13 +162,28 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
     expect("cuda reference   " + tag, dy.to_host(), ref, 1e-6);
     for (int ks : {0, 1, 2, 4, 8}) {
       poison(dy.ptr, dy.n);
-      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {ks});
+      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {ks, 0, bcuda::DecodeKernel::kRegisters});
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect("decode ks=" + std::to_string(ks) + "      " + tag, dy.to_host(), ref, 5e-5);
     }
+    // The streaming kernel (sm_90a; where it does not run, or K is not a multiple of 8, the same calls
+    // take the register kernel): every cluster split, and a two-stage ring.
+    using DK = bcuda::DecodeKernel;
+    const bool streams = bcuda::stream_kernel_supports(wb, K, xb);
+    for (int ks : {0, 1, 2, 3, 8}) {
+      if (!streams && ks != 0) continue;
+      poison(dy.ptr, dy.n);
+      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {ks, 0, DK::kStream});
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      expect("stream ks=" + std::to_string(ks) + "      " + tag, dy.to_host(), ref, 5e-5);
+    }
+    poison(dy.ptr, dy.n);
+    bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {0, 0, DK::kStream, 2});
+    BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+    expect("stream 2 stages  " + tag, dy.to_host(), ref, 5e-5);
     for (int rps : {1, 4}) {  // both slot forms (4 only applies with at most 8 variant-groups)
       poison(dy.ptr, dy.n);
-      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {0, rps});
+      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {0, rps, DK::kRegisters});
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect("decode slots/" + std::to_string(rps) + "  " + tag, dy.to_host(), ref, 5e-5);
     }
@@ -180,14 +196,17 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
     bitdelta::cpu::fused_linear_reference(wv, x2f, rows, host_refs, nullptr, ref2);
     DeviceBuffer<uint16_t> dx2(x2);
     DeviceBuffer<float> dy2(dy.n);
-    poison(dy.ptr, dy.n);
-    poison(dy2.ptr, dy2.n);
-    bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr);
-    bcuda::fused_linear_decode(wb, N, K, reinterpret_cast<const __nv_bfloat16*>(dx2.ptr), rows, dev_refs, dy2.ptr,
-                               nullptr);
-    BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
-    expect("decode, 2 in a row (1st) " + tag, dy.to_host(), ref, 5e-5);
-    expect("decode, 2 in a row (2nd) " + tag, dy2.to_host(), ref2, 5e-5);
+    for (DK kernel : {DK::kRegisters, DK::kStream}) {
+      const std::string name = kernel == DK::kStream ? "stream" : "decode";
+      poison(dy.ptr, dy.n);
+      poison(dy2.ptr, dy2.n);
+      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {0, 0, kernel});
+      bcuda::fused_linear_decode(wb, N, K, reinterpret_cast<const __nv_bfloat16*>(dx2.ptr), rows, dev_refs, dy2.ptr,
+                                 nullptr, {0, 0, kernel});
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      expect(name + ", 2 in a row (1st) " + tag, dy.to_host(), ref, 5e-5);
+      expect(name + ", 2 in a row (2nd) " + tag, dy2.to_host(), ref2, 5e-5);
+    }
   }
   // Prefill paths: one variant for all rows (the first row's).
   bool one_variant = true;
@@ -230,6 +249,12 @@ int main() {
     std::printf("no CUDA device\n");
     return 1;
   }
+  {
+    const auto* any = reinterpret_cast<const __nv_bfloat16*>(uintptr_t(256));  // aligned; not dereferenced
+    std::printf("streaming decode kernel: %s\n", bcuda::stream_kernel_supports(any, 1024, any)
+                                                     ? "runs on this GPU (sm_90a)"
+                                                     : "not on this GPU (its calls run the register kernel)");
+  }
   std::mt19937 rng(20261129);
   try {
     // Decode: mixed variants, shared variants, rows without delta, odd and aligned K.
@@ -250,6 +275,14 @@ int main() {
                    per_row);  // variants in both groups
         check_case(rng, s.N, s.K, std::vector<int>(9, 0), 1, per_row);
       }
+    // More 64-row tiles than an H200 has multiprocessors (132): the streaming kernel's whole tiles
+    // and, after them, the leftover tiles split along K.
+    {
+      std::vector<int> rows16(16);
+      for (int r = 0; r < 16; ++r) rows16[r] = r % 5 == 4 ? -1 : r % 7;
+      check_case(rng, 8645, 2048, rows16, 7, true);
+      check_case(rng, 8645, 2048, {1, 0, 1}, 2, false);
+    }
     // Prefill: many rows of one variant.
     for (const Shape s : {Shape{300, 512}, Shape{129, 1003}, Shape{1024, 4096}})
       for (bool per_row : {true, false})

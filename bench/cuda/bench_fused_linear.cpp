@@ -22,6 +22,7 @@
 
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/fused_linear_decode.cuh"
+#include "backend/cuda/fused_linear_stream.cuh"
 #include "backend/cuda/fused_linear_prefill.cuh"
 
 namespace {
@@ -107,6 +108,8 @@ void add(Row r) {
 
 // profile_only: cases (a) and (b) only, few reps (for ncu); prefill_only: case (c) only (with
 // profile_only too: cuBLAS and the fused GEMM, few reps).
+constexpr auto kRegisters = bcuda::DecodeKernel::kRegisters, kStream = bcuda::DecodeKernel::kStream;
+
 void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
                  bool profile_only = false, bool prefill_only = false) {
   // Signs: random bits in the packed device layout (for random bits the layout changes nothing).
@@ -138,6 +141,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   };
   const auto* X = static_cast<const bf16*>(x.ptr);
   float* Y = static_cast<float*>(y.ptr);
+  const bool stream_runs = bcuda::stream_kernel_supports(W(0), K, X);
   const std::string shape = std::to_string(N) + "x" + std::to_string(K);
   const int reps = profile_only ? 1 : wbytes > (200u << 20) ? 30 : 100;
   const float one = 1.0f, zero = 0.0f;
@@ -152,26 +156,38 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     const double t_cublas = time_us([&](int s) { cublas_rows(1, s); }, reps);
     add({shape, "a: 1 row base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
     const double bytes = double(wbytes + sbytes) + N * 4.0;
-    for (int ks : {0, 2, 4, 8}) {
+    for (int ks : {0, 2, 8}) {
       const double t = time_us(
           [&](int s) {
             const DeltaRef d = delta(s, 0);
-            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {ks});
+            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {ks, 0, kRegisters});
           },
           reps);
       add({shape, "a: 1 row 1 variant",
-           "fused ks=" + std::to_string(ks ? ks : bcuda::decode_default_k_split(N)) +
+           "registers ks=" + std::to_string(ks ? ks : bcuda::decode_default_k_split(N)) +
                (ks ? "" : " (default)"),
            t, bytes, t_cublas, "x cuBLAS"});
     }
+    if (stream_runs)
+      for (int ks : {0, 1, 2, 4}) {
+        const double t = time_us(
+            [&](int s) {
+              const DeltaRef d = delta(s, 0);
+              bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {ks, 0, kStream});
+            },
+            reps);
+        add({shape, "a: 1 row 1 variant", ks ? "stream ks=" + std::to_string(ks) : "stream (ks chosen)", t,
+             bytes, t_cublas, "x cuBLAS"});
+      }
     const DeltaRef none{};
-    const double t_base = time_us(
-        [&](int s) {
-          bcuda::fused_linear_decode(W(s), N, K, X, 1, {&none, 1}, Y, nullptr);
-        },
-        reps);
-    add({shape, "a: 1 row base", "fused kernel, no delta", t_base, double(wbytes), t_cublas,
-         "x cuBLAS"});
+    for (auto kernel : {kRegisters, kStream}) {
+      if (kernel == kStream && !stream_runs) continue;
+      const double t_base = time_us(
+          [&](int s) { bcuda::fused_linear_decode(W(s), N, K, X, 1, {&none, 1}, Y, nullptr, {0, 0, kernel}); },
+          reps);
+      add({shape, "a: 1 row base", kernel == kStream ? "stream kernel, no delta" : "registers kernel, no delta",
+           t_base, double(wbytes), t_cublas, "x cuBLAS"});
+    }
   }
   // (b) 16 rows from 16 distinct variants.
   if (!prefill_only) {
@@ -180,31 +196,54 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     add({shape, "b: roofline", "bytes / copy bandwidth", roof, bytes, 0, ""});
     const double t_cublas = time_us([&](int s) { cublas_rows(16, s); }, reps);
     add({shape, "b: 16 rows base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
-    {
+    // The stream kernel also with fixed splits of K (ks; 0: chosen).
+    const std::pair<bcuda::DecodeKernel, int> forms[] = {{kRegisters, 0}, {kStream, 0}, {kStream, 1}, {kStream, 4}};
+    const auto form_name = [](bcuda::DecodeKernel k, int ks) {
+      return k == kRegisters ? std::string("registers") : ks ? "stream ks=" + std::to_string(ks) : std::string("stream");
+    };
+    for (auto [kernel, ks] : forms) {
+      if (kernel == kStream && !stream_runs) continue;
       const double t = time_us(
           [&](int s) {
             DeltaRef d[kVariants];
             for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v);
-            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr);
+            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {ks, 0, kernel});
           },
           reps);
-      add({shape, "b: 16 rows 16 variants", "fused", t, bytes, roof, "x roofline"});
+      add({shape, "b: 16 rows 16 variants", form_name(kernel, ks), t, bytes, roof, "x roofline"});
     }
     // The same 16 rows of one variant (a decode batch of one fine-tune), and of 8 variants with 2
     // adjacent rows each; slots chosen by the kernel, one per row, and one per variant and 4 rows.
     for (int nv : {1, 8}) {
       const double bytes1 = double(wbytes) + nv * (double(sbytes) + N * 4.0);
-      for (int rps : {0, 1, 4}) {
+      for (auto [kernel, ks] : forms) {
+        if (kernel == kStream && !stream_runs) continue;
         const double t = time_us(
             [&](int s) {
               DeltaRef d[kVariants];
               for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v * nv / kVariants);
-              bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {0, rps});
+              bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {ks, 0, kernel});
             },
             reps);
-        add({shape, nv == 1 ? "b: 16 rows 1 variant" : "b: 16 rows 8 variants x 2",
-             rps == 0 ? "fused" : rps == 1 ? "fused, slot per row" : "fused, slot per 4 rows", t, bytes1,
-             t_cublas, "x cuBLAS 16 rows"});
+        add({shape, nv == 1 ? "b: 16 rows 1 variant" : "b: 16 rows 8 variants x 2", form_name(kernel, ks), t,
+             bytes1, t_cublas, "x cuBLAS 16 rows"});
+      }
+    }
+    // Few rows, each its own variant (a decode batch of several fine-tunes): both kernels against
+    // the byte roofline (base + each variant's bits).
+    for (int nr : {2, 4, 8}) {
+      const double bytes_r = double(wbytes) + nr * (double(sbytes) + N * 4.0);
+      for (auto kernel : {kRegisters, kStream}) {
+        if (kernel == kStream && !stream_runs) continue;
+        const double t = time_us(
+            [&](int s) {
+              DeltaRef d[kVariants];
+              for (int v = 0; v < nr; ++v) d[v] = delta(s, v);
+              bcuda::fused_linear_decode(W(s), N, K, X, nr, {d, size_t(nr)}, Y, nullptr, {0, 0, kernel});
+            },
+            reps);
+        add({shape, "d: " + std::to_string(nr) + " rows " + std::to_string(nr) + " variants",
+             kernel == kStream ? "stream" : "registers", t, bytes_r, bytes_r / copy_bw * 1e6, "x roofline"});
       }
     }
     if (profile_only) return;
@@ -309,7 +348,10 @@ int main(int argc, char** argv) {
     std::vector<std::pair<int, int>> shapes = {
         {4096, 4096}, {11008, 4096}, {4096, 11008}, {8192, 8192}, {28672, 8192}};
     const std::string mode = argc > 1 ? argv[1] : "";
-    if (mode == "--profile") return bench_shape(rnd, prefill, 8192, 8192, true), 0;
+    if (mode == "--profile") {  // [N K], default 8192 8192
+      const int pn = argc > 3 ? std::atoi(argv[2]) : 8192, pk = argc > 3 ? std::atoi(argv[3]) : 8192;
+      return bench_shape(rnd, prefill, pn, pk, true), 0;
+    }
     if (mode == "--profile-prefill") {  // [N K], default 4096 4096
       const int pn = argc > 3 ? std::atoi(argv[2]) : 4096, pk = argc > 3 ? std::atoi(argv[3]) : 4096;
       return bench_shape(rnd, prefill, pn, pk, true, true), 0;

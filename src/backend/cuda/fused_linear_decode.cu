@@ -6,6 +6,8 @@
 #include <mutex>
 
 #include "cuda_check.cuh"
+#include "delta_b1.cuh"
+#include "fused_linear_stream.cuh"
 
 namespace bitdelta::cuda {
 namespace {
@@ -14,7 +16,6 @@ constexpr int kWarps = 8;        // warps per block
 constexpr int kMaxRows = 16;     // rows of x per launch
 constexpr int kKBlock = 64;      // base: columns per mma step
 constexpr int kDBlock = kSignBlockCols;  // delta: columns per 1-bit mma step (4 base steps)
-constexpr int kQMax = 32767;     // x quantized to 16-bit integers per row and 256-column block
 
 // One variant's signs applied to rows of x: row0 + i for the bits i (< RS) of mask.
 struct Slot {
@@ -26,8 +27,8 @@ struct Slot {
 struct DecodeParams {
   const __nv_bfloat16* w;
   const __nv_bfloat16* x;
-  const uint4* xb;    // [KB][rows][32 lanes]: the 1-bit B fragments (16 bit-planes) of the quantized rows
-  const float2* xs;   // [KB][rows]: (scale, Σq) per block of 256 columns
+  const uint8_t* xq;  // the quantized rows, xq_block bytes per 256-column block (quantized_x_block)
+  int xq_block;
   float* y;
   int N, K, KB, rows, k_split, slot_groups, nslots, aligned;
   int base_warps;  // per tile: warps that do the base alone (SPEC kernels), else 0
@@ -44,16 +45,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// D = A·B over 256 one-bit products per output: popc(a ∧ b), A 16 × 256 (the signs), B 256 × 8 (the
-// bit-planes of x), D fresh (C = 0).
-__device__ __forceinline__ void mma_b1(int (&d)[4], const uint4& a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%10,%10,%10};\n"
-      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1), "r"(0));
 }
 
 // Programmatic dependent launch (sm_90): the decode kernel starts streaming W while the kernel that
@@ -149,18 +140,6 @@ __device__ __forceinline__ void mma_base(int k0, int K, const uint4 (&we)[kU][2]
   }
 }
 
-// One slot row and block of 256 columns: planes 0–7 and 8–15 of the row (b) against the tile's
-// 16 × 256 sign bits (a); this lane's popcounts weighted by its planes' weights pw, times the block's
-// scale, added to its parts of tile rows gid and gid + 8 (Σq is subtracted after the loop).
-__device__ __forceinline__ void delta_block(const uint4& a, const uint4& b, float scale, const int (&pw)[4],
-                                            float (&acc)[2]) {
-  int lo[4], hi[4];
-  mma_b1(lo, a, b.x, b.y);
-  mma_b1(hi, a, b.z, b.w);
-  acc[0] += scale * float(pw[0] * lo[0] + pw[1] * lo[1] + pw[2] * hi[0] + pw[3] * hi[1]);
-  acc[1] += scale * float(pw[0] * lo[2] + pw[1] * lo[3] + pw[2] * hi[2] + pw[3] * hi[3]);
-}
-
 // f(s, i, r) for each row r of x that a warp's slots take: slot s < nmine, its i-th row (bit i of the
 // slot's mask). Warp-uniform.
 template <int MAXS, int RS, typename F>
@@ -189,9 +168,10 @@ __device__ __forceinline__ void load_slot_signs(const uint4* const (&sgn)[MS], i
 template <int MAXS, int MS, int RS>
 __device__ __forceinline__ void load_slot_x(const DecodeParams& p, const Slot* slots, int nmine, int kb, int lane,
                                             uint4 (&xbf)[MS][RS], float (&sc)[MS][RS]) {
+  const uint8_t* blk = p.xq + size_t(kb) * p.xq_block;  // quantized_x_block
   for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int r) {
-    xbf[s][i] = __ldcg(p.xb + (size_t(kb) * p.rows + r) * 32 + lane);
-    sc[s][i] = __ldcg(&p.xs[size_t(kb) * p.rows + r].x);
+    xbf[s][i] = __ldcg(reinterpret_cast<const uint4*>(blk + kQuantizedPlanes) + r * 32 + lane);
+    sc[s][i] = __ldcg(reinterpret_cast<const float*>(blk) + 2 * r);
   });
 }
 
@@ -233,10 +213,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   const uint4* sgn[MS];
 #pragma unroll
   for (int s = 0; s < MS; ++s) sgn[s] = slots[s < nmine ? s : 0].signs + size_t(min(n0, N - 1) / 16) * p.KB * 32 + lane;
-  // This lane's bit-planes: 2t, 2t+1 (first mma's D columns) and 2t+8, 2t+9 (second); q = Σ w_p·bit_p
-  // with w_15 = −2^15 (two's complement).
-  const int w0 = 1 << (2 * t), w8 = w0 << 8;
-  const int pw[4] = {w0, 2 * w0, w8, t == 3 ? -(1 << 15) : w8 << 1};
+  int pw[4];
+  plane_weights(t, pw);
 
   float acc[RG][4] = {};
   float dacc[MS][RS][2] = {};  // per slot row: this lane's part of rows gid and gid + 8 of the tile
@@ -338,7 +316,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
       // Σ over the warp's blocks of scale·Σq, the lanes taking blocks in turn.
       float sq = 0.0f;
       for (int kb = kb_begin + lane; kb < kb_end; kb += 32) {
-        const float2 v = __ldcg(p.xs + size_t(kb) * p.rows + r);
+        const float2 v =
+            __ldcg(reinterpret_cast<const float2*>(p.xq + size_t(kb) * p.xq_block) + r);
         sq += v.x * v.y;
       }
       for (int o = 16; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
@@ -420,7 +399,7 @@ void launch_slots(DecodeParams& p, bool grouped, bool dependent_launch, cudaStre
 // one ballot per plane and j is word j of that plane.
 constexpr int kPrepWarps = 8;
 __global__ void __launch_bounds__(kPrepWarps * 32) prepare_x_kernel(const __nv_bfloat16* x, int rows, int K, int KB,
-                                                                    uint4* xb, float2* xs) {
+                                                                    uint8_t* xq, int xq_block) {
   allow_dependent_launch();
   const int lane = threadIdx.x & 31, item = blockIdx.x * kPrepWarps + threadIdx.x / 32;
   if (item >= rows * KB) return;  // whole warps
@@ -451,8 +430,9 @@ __global__ void __launch_bounds__(kPrepWarps * 32) prepare_x_kernel(const __nv_b
       const uint32_t word = __ballot_sync(0xffffffffu, (q[j] >> pl) & 1);
       if ((pl & 7) == g && (j & 3) == t) f[(pl >> 3) * 2 + (j >> 2)] = word;
     }
-  xb[(size_t(kb) * rows + r) * 32 + lane] = make_uint4(f[0], f[1], f[2], f[3]);
-  if (lane == 0) xs[size_t(kb) * rows + r] = make_float2(m / float(kQMax), float(sum));
+  uint8_t* blk = xq + size_t(kb) * xq_block;
+  reinterpret_cast<uint4*>(blk + kQuantizedPlanes)[r * 32 + lane] = make_uint4(f[0], f[1], f[2], f[3]);
+  if (lane == 0) reinterpret_cast<float2*>(blk)[r] = make_float2(m / float(kQMax), float(sum));
 }
 
 __global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KB, size_t words, uint32_t* out) {
@@ -524,10 +504,17 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   if (int(deltas.size()) != rows)
     fail("cuda::fused_linear_decode: ", deltas.size(), " deltas for ", rows, " rows");
   if (N < 1 || K < 1) fail("cuda::fused_linear_decode: empty weight [", N, ", ", K, "]");
+  const bool streaming = options.kernel != DecodeKernel::kRegisters && stream_kernel_supports(w, K, x) &&
+                         (options.kernel == DecodeKernel::kStream || stream_kernel_preferred(N, K, rows));
   int k_split = options.k_split;
-  if (k_split == 0) k_split = decode_default_k_split(N);
-  if (k_split != 1 && k_split != 2 && k_split != 4 && k_split != 8)
-    fail("cuda::fused_linear_decode: k_split ", k_split, " (1, 2, 4 or 8)");
+  if (streaming) {
+    if (k_split < 0 || k_split > kMaxStreamSplit)
+      fail("cuda::fused_linear_decode: k_split ", k_split, " (0 to ", kMaxStreamSplit, ")");
+  } else {
+    if (k_split == 0) k_split = decode_default_k_split(N);
+    if (k_split != 1 && k_split != 2 && k_split != 4 && k_split != 8)
+      fail("cuda::fused_linear_decode: k_split ", k_split, " (1, 2, 4 or 8)");
+  }
   DecodeParams p{};
   p.w = w;
   p.x = x;
@@ -568,16 +555,21 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   p.nslots = grouped ? ngroup : nrow;
   for (int s = 0; s < p.nslots; ++s) p.slots[s] = grouped ? by_group[s] : by_row[s];
   // The rows of x quantized for the delta term go to a scratch buffer of this stream.
-  const size_t xb_bytes = size_t(p.KB) * rows * 512, xs_bytes = size_t(p.KB) * rows * 8;
-  const auto [dependent_launch, scratch] = device_state(stream, p.nslots ? xb_bytes + xs_bytes : 0);
+  p.xq_block = quantized_x_block(rows);
+  const auto [dependent_launch, scratch] = device_state(stream, p.nslots ? size_t(p.KB) * p.xq_block : 0);
   if (p.nslots) {
-    auto* base = static_cast<char*>(scratch);
-    p.xb = reinterpret_cast<const uint4*>(base);
-    p.xs = reinterpret_cast<const float2*>(base + xb_bytes);
+    p.xq = static_cast<const uint8_t*>(scratch);
     const int items = rows * p.KB;
     prepare_x_kernel<<<unsigned((items + kPrepWarps - 1) / kPrepWarps), kPrepWarps * 32, 0, stream>>>(
-        x, rows, K, p.KB, reinterpret_cast<uint4*>(base), reinterpret_cast<float2*>(base + xb_bytes));
+        x, rows, K, p.KB, static_cast<uint8_t*>(scratch), p.xq_block);
     BITDELTA_CUDA_CHECK_LAUNCH();
+  }
+  if (streaming) {
+    StreamArgs a{};
+    a.w = w, a.N = N, a.K = K, a.x = x, a.rows = rows, a.deltas = deltas.data();
+    a.xq = p.nslots ? p.xq : nullptr;
+    a.y = y, a.k_split = k_split, a.stages = options.stages, a.dependent_launch = dependent_launch;
+    return fused_linear_stream(a, stream);
   }
   if (rows <= 8)
     launch_slots<1>(p, grouped, dependent_launch, stream);

@@ -36,10 +36,23 @@
 
 namespace bitdelta::cuda {
 
+// Two kernels compute it (both below; bench/cuda/NOTES.md has their measurements):
+//   kRegisters  any GPU: each warp streams W and the signs straight into registers;
+//   kStream     sm_90a (fused_linear_stream.cuh): a TMA producer streams 64-row tiles of W, the
+//               variants' sign tiles and x into a shared-memory ring; the base on wgmma, the delta on
+//               the 1-bit mma, persistent blocks. Needs K a multiple of 8 and
+//               16-byte aligned W and x; otherwise kRegisters runs.
+enum class DecodeKernel { kAuto, kRegisters, kStream };
+
 struct DecodeOptions {
-  int k_split = 0;  // warps that share one 16-row tile along K (1, 2, 4 or 8; 0 = choose)
-  // Slots: 0 = choose; 1 = one per row of x; 4 = one per variant and group of 4 rows (when at most 8).
+  // kRegisters: warps that share one 16-row tile along K (1, 2, 4 or 8); kStream: parts of K per
+  // 64-row tile, summed through memory (1..8). 0 = choose.
+  int k_split = 0;
+  // kRegisters' slots: 0 = choose; 1 = one per row of x; 4 = one per variant and group of 4 rows
+  // (when at most 8).
   int rows_per_slot = 0;
+  DecodeKernel kernel = DecodeKernel::kAuto;
+  int stages = 0;  // kStream: ring stages (0 = as many as fit one block per multiprocessor)
 };
 
 // w: [N, K] bf16 row-major; x: [rows, K] bf16; y: [rows, N] f32; all device pointers. deltas[r]

@@ -1,13 +1,11 @@
 #include "fused_linear_prefill.cuh"
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <algorithm>
 #include <cstdint>
 
 #include "cuda_check.cuh"
 #include "fused_linear_decode.cuh"
+#include "tma.cuh"
 
 namespace bitdelta::cuda {
 namespace {
@@ -94,57 +92,7 @@ struct FusedMaps {
   CUtensorMap w, x, signs;
 };
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define BITDELTA_FUSED_WGMMA 1
-#endif
-
 #ifdef BITDELTA_FUSED_WGMMA
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                       uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void tma_5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
-                                       int c3, int c4, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3, %4, %5, %6}], "
-      "[%7];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
-      : "memory");
-}
-
-// wgmma descriptor of a K-major tile of 8-row × 128-byte swizzle atoms (1024 B apart).
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
-  return uint64_t((addr >> 4) & 0x3FFF) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
-
 // d (64 rows × N columns of f32 per warpgroup) = a (registers: this warp's 16 rows × 16) · B
 // (desc), plus d when Accumulate. scale-d is an immediate: a zeroed accumulator or a predicate set
 // in the asm would be ordinary instructions defining wgmma inputs, and ptxas then serializes the
@@ -392,31 +340,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver, through the runtime (no link to libcuda); null if absent.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      return PFN_cuTensorMapEncodeTiled_v12000(nullptr);
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-void encode(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base,
-            const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
-            CUtensorMapSwizzle swizzle) {
-  const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
-  const CUresult r =
-      tensor_map_encoder()(map, type, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box,
-                           unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) fail("cuda::PrefillLinear: cuTensorMapEncodeTiled failed (", int(r), ")");
-}
-
 }  // namespace
 
 void expand_delta(const __nv_bfloat16* w, int K, const DeltaRef& delta, int n0, int rows,
@@ -501,9 +424,9 @@ void launch_fused(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, 
                    xdims[2] = {cuuint64_t(K), cuuint64_t(rows)};
   const cuuint64_t rstride[1] = {cuuint64_t(K) * 2};
   const cuuint32_t wbox[2] = {kFusedBK, T::BM}, xbox[2] = {kFusedBK, T::BN};
-  encode(&maps.w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, wdims, rstride, wbox,
+  encode_tensor_map(&maps.w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, wdims, rstride, wbox,
          CU_TENSOR_MAP_SWIZZLE_128B);
-  encode(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, xdims, rstride, xbox,
+  encode_tensor_map(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, xdims, rstride, xbox,
          CU_TENSOR_MAP_SWIZZLE_128B);
   const unsigned blocks = unsigned((N + T::BM - 1) / T::BM) * unsigned((rows + T::BN - 1) / T::BN);
   if (!delta.signs) {  // W alone
@@ -517,7 +440,7 @@ void launch_fused(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, 
   const cuuint64_t sdims[5] = {4, 4, 8, cuuint64_t(KB), cuuint64_t((N + 15) / 16)};
   const cuuint64_t sstrides[4] = {16, 64, 512, 512 * cuuint64_t(KB)};
   const cuuint32_t sbox[5] = {4, 2, 8, 1, T::BM / 16};
-  encode(&maps.signs, CU_TENSOR_MAP_DATA_TYPE_UINT32, 5, delta.signs, sdims, sstrides, sbox,
+  encode_tensor_map(&maps.signs, CU_TENSOR_MAP_DATA_TYPE_UINT32, 5, delta.signs, sdims, sstrides, sbox,
          CU_TENSOR_MAP_SWIZZLE_NONE);
   fused_gemm_kernel<true, T><<<blocks, T::kThreads, T::kSmem, stream>>>(
       maps, delta.alpha, delta.alpha_per_row ? 1 : 0, y, N, K, rows);

@@ -1,0 +1,462 @@
+#include "fused_linear_stream.cuh"
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "cuda_check.cuh"
+#include "delta_b1.cuh"
+#include "packed_signs.h"
+#include "tma.cuh"
+
+namespace bitdelta::cuda {
+namespace {
+
+constexpr int kBM = 64;          // output rows per tile: one consumer warpgroup (wgmma's M)
+constexpr int kBK = 256;         // columns per stage: one packed sign block
+constexpr int kMaxRows = 16;     // rows of x per launch
+constexpr int kConsumers = 128;  // one warpgroup
+constexpr int kThreads = kConsumers + 32;  // + the producer warp (one thread issues the copies)
+constexpr int kWStage = kBM * kBK * 2;     // W's bytes per stage: 4 swizzled chunks of 64 × 64
+constexpr int kSignTile = kBM / 16 * 512;  // one variant's sign bits per stage
+constexpr int kMaxStages = 8;
+
+// A stage: [W: 4 chunks × 64 rows × 128 B][x: 4 chunks × BN rows × 128 B][signs: nvar × 2 KB]
+// [quantized x: one block of quantized_x_block(rows) bytes], 1024-byte aligned (the swizzle atoms).
+struct StreamParams {
+  CUtensorMap w, x;
+  CUtensorMap signs[kMaxRows];  // per distinct variant
+  const uint8_t* xq;
+  float* y;
+  float* parts;        // split tiles: [split tile][part][BN][64] partial sums
+  unsigned* arrived;   // split tiles: parts done (the last one resets it)
+  const float* alpha[kMaxRows];  // per delta row
+  int drow[kMaxRows];            // delta rows: row of x, and index into signs
+  int dvar[kMaxRows];
+  int alpha_per_row[kMaxRows];
+  // Units: `whole` tiles over all of K (units 0..whole−1, tiles 0..whole−1), then the other tiles in ks
+  // parts of K each (the split ones).
+  int N, KB, rows, nvar, nd, whole, ks, units, stages, stage_bytes, tx_bytes, xq_block;
+};
+
+#ifdef BITDELTA_FUSED_WGMMA
+// d (64 rows × BN columns of f32 per warpgroup) += A (desc: 64 × 16 of W) · B (desc: 16 × BN of xᵀ),
+// both K-major in shared memory. scale-d as an immediate (see the prefill kernel's wgmma).
+template <int BN, bool Accumulate>
+__device__ __forceinline__ void wgmma_ss(float (&d)[BN / 2], uint64_t da, uint64_t db) {
+  static_assert(BN == 8 || BN == 16);
+  if constexpr (BN == 8)
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, %6, 1, 1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(da), "l"(db), "n"(Accumulate ? 1 : 0));
+  else
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, %10, 1, "
+        "1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "n"(Accumulate ? 1 : 0));
+}
+
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
+#endif
+
+// Persistent: block b takes units b, b + grid, ... (unit = a 64-row tile over all of K, or one of ks
+// parts of K for the tiles left over when the whole ones are spread evenly: each block's split unit
+// comes last, so that its epilogue, which waits on memory, does not hold up the ring). The producer's
+// ring runs on across units, so a unit's first copies fly while the last one's epilogue runs. BN: rows of x per tile (8 or 16, the wgmma's N; rows past `rows` are zero-filled by the TMA).
+// ND: delta rows computed per stage (nd rounded up; the padding repeats delta row 0 and is dropped), a
+// constant so that the delta loop has no branches and its rows' 1-bit mma overlap.
+template <int BN, int ND>
+__global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_constant__ StreamParams p) {
+#ifdef BITDELTA_FUSED_WGMMA
+  constexpr int kXStage = 4 * BN * 128;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int S = p.stages;
+  float* red = reinterpret_cast<float*>(smem + S * p.stage_bytes);  // [BN][64]: a unit's sums
+  const uint32_t full0 = smem_addr(red + kBM * BN), empty0 = full0 + 8 * S;
+  int& last_part = *reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(red + kBM * BN) + 16 * S);
+  const int sgn_off = kWStage + kXStage, xq_off = sgn_off + p.nvar * kSignTile;
+  const int tid = threadIdx.x, grid = int(gridDim.x);
+  // Unit u: rows n0.., blocks [kb0, kb0 + nst) of K.
+  const auto unit_range = [&](int u, int& n0, int& kb0, int& nst) {
+    if (u < p.whole) {
+      n0 = u * kBM, kb0 = 0, nst = p.KB;
+      return;
+    }
+    const int part = (u - p.whole) % p.ks;
+    n0 = (p.whole + (u - p.whole) / p.ks) * kBM;
+    kb0 = p.KB * part / p.ks;
+    nst = p.KB * (part + 1) / p.ks - kb0;
+  };
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, kConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid >= kConsumers) {
+    if (tid == kConsumers) {
+      // W, x and the sign tiles of ring stage `it` (block kb of the tile at n0; none of them written by
+      // the quantizing launch), and its bit-planes.
+      const auto issue_main = [&](int it, int n0, int kb) {
+        const int slot = it % S, k0 = kb * kBK;
+        const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
+        mbar_expect_tx(full, p.tx_bytes);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) tma_2d(st + c * (kBM * 128), &p.w, k0 + 64 * c, n0, full);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) tma_2d(st + kWStage + c * (BN * 128), &p.x, k0 + 64 * c, 0, full);
+        for (int v = 0; v < p.nvar; ++v) tma_3d(st + sgn_off + v * kSignTile, &p.signs[v], 0, kb, n0 / 16, full);
+      };
+      const auto issue_xq = [&](int it, int kb) {
+        const int slot = it % S;
+        tma_1d(smem_addr(smem + slot * p.stage_bytes + xq_off), p.xq + size_t(kb) * p.xq_block,
+               uint32_t(p.xq_block), full0 + 8 * slot);
+      };
+      // The first S stages go out before the wait for the quantizing launch, so that W's stream
+      // overlaps it; their bit-planes follow it.
+      int it = 0, pending = 0, pending_kb[kMaxStages];
+      for (int u = int(blockIdx.x); u < p.units; u += grid) {
+        int n0, kb0, nst;
+        unit_range(u, n0, kb0, nst);
+        for (int i = 0; i < nst; ++i, ++it) {
+          if (it == S && pending > 0) {
+            asm volatile("griddepcontrol.wait;\n" ::: "memory");
+            for (int q = 0; q < pending; ++q) issue_xq(q, pending_kb[q]);
+            pending = -1;
+          }
+          if (it >= S) mbar_wait(empty0 + 8 * (it % S), ((it / S) & 1) ^ 1);
+          issue_main(it, n0, kb0 + i);
+          if (p.nvar > 0) {
+            if (pending >= 0)
+              pending_kb[pending++] = kb0 + i;
+            else
+              issue_xq(it, kb0 + i);
+          }
+        }
+      }
+      if (pending > 0) {  // fewer stages than the ring holds
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");
+        for (int q = 0; q < pending; ++q) issue_xq(q, pending_kb[q]);
+      }
+    }
+    __syncwarp();
+  } else {
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    int pw[4];
+    plane_weights(t, pw);
+    // Per padded delta row: its sign tile and bit-plane row in a stage, and (scale, Σq)'s offset.
+    int sgn_at[ND > 0 ? ND : 1], xq_at[ND > 0 ? ND : 1];
+#pragma unroll
+    for (int d = 0; d < ND; ++d) {
+      const int dd = d < p.nd ? d : 0;
+      sgn_at[d] = sgn_off + p.dvar[dd] * kSignTile + (warp * 32 + lane) * 16;
+      xq_at[d] = p.drow[dd];
+    }
+    int it = 0;
+    for (int u = int(blockIdx.x); u < p.units; u += grid) {
+      int n0, kb0, nst;
+      unit_range(u, n0, kb0, nst);
+      float acc[BN / 2];
+      float dacc[ND > 0 ? ND : 1][2], sq[ND > 0 ? ND : 1];
+#pragma unroll
+      for (int d = 0; d < (ND > 0 ? ND : 1); ++d) dacc[d][0] = dacc[d][1] = sq[d] = 0.0f;
+      // Stage: W·xᵀ on wgmma (16 steps of k16), the delta rows' 1-bit mma from the same stage while they
+      // run, then the slot goes back to the producer.
+      const auto stage = [&]<bool First>() {
+        const int slot = it % S;
+        mbar_wait(full0 + 8 * slot, (it / S) & 1);
+        const uint8_t* st = smem + slot * p.stage_bytes;
+        const uint64_t dw = sw128_desc(smem_addr(st)), dx = sw128_desc(smem_addr(st + kWStage));
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const uint64_t a = dw + ((c * kBM * 128) >> 4) + 2 * k, b = dx + ((c * BN * 128) >> 4) + 2 * k;
+            if (First && c == 0 && k == 0)
+              wgmma_ss<BN, false>(acc, a, b);
+            else
+              wgmma_ss<BN, true>(acc, a, b);
+          }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        const uint8_t* xq = st + xq_off;
+#pragma unroll
+        for (int d = 0; d < ND; ++d) {
+          const uint4 a = *reinterpret_cast<const uint4*>(st + sgn_at[d]);
+          const uint4 b = *reinterpret_cast<const uint4*>(xq + kQuantizedPlanes + xq_at[d] * 512 + lane * 16);
+          const float2 sc = *reinterpret_cast<const float2*>(xq + xq_at[d] * 8);
+          delta_block(a, b, sc.x, pw, dacc[d]);
+          sq[d] += sc.x * sc.y;
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        mbar_arrive(empty0 + 8 * slot);
+        ++it;
+      };
+      stage.template operator()<true>();
+      for (int i = 1; i < nst; ++i) stage.template operator()<false>();
+
+      // The unit's sums in red[row of x][tile row]: the base (acc[4j + 2h + e]: tile row 16·warp + g +
+      // 8h, row of x 8j + 2t + e), then per delta row α·(2·Σ w_p·popc − Σ scale·Σq).
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) red[(8 * j + 2 * t + e) * kBM + 16 * warp + g + 8 * h] = acc[4 * j + 2 * h + e];
+      consumers_sync();
+#pragma unroll
+      for (int d = 0; d < ND; ++d)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v = dacc[d][h];
+          v += __shfl_xor_sync(0xffffffffu, v, 1);
+          v += __shfl_xor_sync(0xffffffffu, v, 2);
+          const int nl = 16 * warp + g + 8 * h, n = min(n0 + nl, p.N - 1);
+          if (t == 0 && d < p.nd)
+            red[p.drow[d] * kBM + nl] += __ldg(p.alpha[d] + (p.alpha_per_row[d] ? n : 0)) * (2.0f * v - sq[d]);
+        }
+      consumers_sync();
+      const int valid = min(kBM, p.N - n0);
+      if (u < p.whole || p.ks == 1) {
+        for (int e = tid; e < p.rows * kBM; e += kConsumers)
+          if ((e & (kBM - 1)) < valid) p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = red[e];
+      } else {
+        // Parts of a tile meet through memory: each writes its sums; the last to arrive adds all of
+        // them in part order (the same result on every run) and resets the tile's counter.
+        const int split = (u - p.whole) / p.ks;
+        float* mine = p.parts + (size_t(split) * p.ks + (u - p.whole) % p.ks) * (BN * kBM);
+        for (int e = tid; e < p.rows * kBM; e += kConsumers) mine[e] = red[e];
+        consumers_sync();
+        if (tid == 0) {
+          __threadfence();  // cumulative: the consumers' stores before the barrier go first
+          const unsigned before = atomicAdd(p.arrived + split, 1u);
+          last_part = before == unsigned(p.ks - 1);
+          if (last_part) {
+            p.arrived[split] = 0;
+            __threadfence();
+          }
+        }
+        consumers_sync();
+        if (last_part) {
+          const float* all = p.parts + size_t(split) * p.ks * (BN * kBM);
+          for (int e = tid; e < p.rows * kBM; e += kConsumers) {
+            if ((e & (kBM - 1)) >= valid) continue;
+            float v = 0.0f;
+            for (int q = 0; q < p.ks; ++q) v += __ldcg(all + size_t(q) * (BN * kBM) + e);
+            p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = v;
+          }
+        }
+      }
+      consumers_sync();  // red is free for the next unit
+    }
+  }
+#endif
+}
+
+using KernelFn = void (*)(StreamParams);
+// [BN 8, 16][ND 0, 1, 2, 4, 8, 16]
+constexpr KernelFn kKernels[2][6] = {
+    {stream_kernel<8, 0>, stream_kernel<8, 1>, stream_kernel<8, 2>, stream_kernel<8, 4>, stream_kernel<8, 8>, nullptr},
+    {stream_kernel<16, 0>, stream_kernel<16, 1>, stream_kernel<16, 2>, stream_kernel<16, 4>, stream_kernel<16, 8>,
+     stream_kernel<16, 16>}};
+int nd_index(int nd) { return nd <= 2 ? nd : nd <= 4 ? 3 : nd <= 8 ? 4 : 5; }
+
+// Per device: whether the kernel runs there, its shared-memory limit (opted in once), and per stream
+// the split parts' scratch (partial sums and the tiles' counters, zero between launches).
+struct DeviceInfo {
+  bool runs = false;
+  int sms = 0, smem_optin = 0;
+  struct Scratch {
+    float* parts = nullptr;
+    size_t part_floats = 0;
+    unsigned* arrived = nullptr;
+    size_t tiles = 0;
+  };
+  std::map<cudaStream_t, Scratch> scratch;
+};
+
+std::mutex device_mutex;
+
+DeviceInfo& device_info_locked() {
+  static std::map<int, DeviceInfo> infos;
+  int dev = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  auto [it, fresh] = infos.try_emplace(dev);
+  if (fresh) {
+    cudaDeviceProp prop{};
+    BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    DeviceInfo& d = it->second;
+    d.runs = prop.major == 9 && prop.minor == 0 && tensor_map_encoder() != nullptr;
+    d.sms = prop.multiProcessorCount;
+    d.smem_optin = int(prop.sharedMemPerBlockOptin);
+    if (d.runs)
+      for (const auto& row : kKernels)
+        for (KernelFn k : row)
+          if (k)
+            BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(k),
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, d.smem_optin));
+  }
+  return it->second;
+}
+
+const DeviceInfo& device_info() {
+  std::lock_guard lock(device_mutex);
+  return device_info_locked();
+}
+
+// The split scratch of this stream, grown on demand (counters zeroed on the stream when new).
+DeviceInfo::Scratch split_scratch(cudaStream_t stream, size_t part_floats, size_t tiles) {
+  std::lock_guard lock(device_mutex);
+  DeviceInfo::Scratch& s = device_info_locked().scratch[stream];
+  if (s.part_floats < part_floats || s.tiles < tiles) {
+    if (s.parts) {
+      BITDELTA_CUDA_CHECK(cudaStreamSynchronize(stream));
+      BITDELTA_CUDA_CHECK(cudaFree(s.parts));
+      BITDELTA_CUDA_CHECK(cudaFree(s.arrived));
+    }
+    s.part_floats = std::max(part_floats, size_t(1) << 18);
+    s.tiles = std::max(tiles, size_t(1024));
+    BITDELTA_CUDA_CHECK(cudaMalloc(&s.parts, s.part_floats * sizeof(float)));
+    BITDELTA_CUDA_CHECK(cudaMalloc(&s.arrived, s.tiles * sizeof(unsigned)));
+    BITDELTA_CUDA_CHECK(cudaMemsetAsync(s.arrived, 0, s.tiles * sizeof(unsigned), stream));
+  }
+  return s;
+}
+
+// Tensor maps depend only on the pointer, the shape and the box: weights, deltas and the engine's
+// activation buffers recur call after call, so each is encoded once (a stale entry for a freed and
+// reused pointer of the same shape is the same map).
+enum class MapKind { kW, kX8, kX16, kSigns };
+
+CUtensorMap tensor_map(MapKind kind, const void* ptr, int N, int K) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int, int>, CUtensorMap> cache;
+  int dev = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_tuple(int(kind) + 8 * dev, ptr, N, K);
+  std::lock_guard lock(mutex);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  if (cache.size() > 4096) cache.clear();
+  CUtensorMap map;
+  if (kind == MapKind::kSigns) {
+    // Blocks of 128 words [row group][column block]: one box = one block of 4 row groups (2 KB), each
+    // 512 contiguous bytes.
+    const int KB = sign_blocks(K);
+    const cuuint64_t dims[3] = {128, cuuint64_t(KB), cuuint64_t((N + 15) / 16)};
+    const cuuint64_t strides[2] = {512, 512 * cuuint64_t(KB)};
+    const cuuint32_t box[3] = {128, 1, kBM / 16};
+    encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, ptr, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
+  } else {
+    const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(N)}, strides[1] = {cuuint64_t(K) * 2};
+    const cuuint32_t box[2] = {64, kind == MapKind::kW ? kBM : kind == MapKind::kX8 ? 8u : 16u};
+    encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+  }
+  cache.emplace(key, map);
+  return map;
+}
+
+// The tiles left after the whole ones are spread evenly over the blocks (one per multiprocessor) are
+// split along K so that they fill one more round: parts = blocks ÷ leftover tiles, 1..8, each part at
+// least 2 blocks of K.
+int choose_split(int leftover, int KB, int sms) {
+  if (leftover == 0) return 1;
+  return std::max(1, std::min({kMaxStreamSplit, sms / leftover, std::max(1, KB / 2)}));
+}
+
+}  // namespace
+
+bool stream_kernel_supports(const __nv_bfloat16* w, int K, const __nv_bfloat16* x) {
+  return device_info().runs && K % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0 &&
+         (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+}
+
+bool stream_kernel_preferred(int N, int K, int rows) {
+  // Run 47 (bench/cuda/NOTES.md, part 7), side by side with the register kernel: the streaming kernel
+  // is faster for 2–16 rows once W has at least 8192 rows (2–12% at 2–8 rows of distinct variants,
+  // 8–28% at 16), and for 9–16 rows also at 4096 × 11008; at 4096 × 4096 and for one row the register
+  // kernel is as fast or faster (its 16-row tiles spread 4096 rows over every multiprocessor).
+  if (rows < 2) return false;
+  return N >= 8192 || (rows > 8 && size_t(N) * size_t(K) > size_t(4096) * 4096);
+}
+
+void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
+  const DeviceInfo& info = device_info();
+  if (!stream_kernel_supports(a.w, a.K, a.x)) fail("cuda::fused_linear_stream: this device or these operands");
+  if (a.rows < 1 || a.rows > kMaxRows) fail("cuda::fused_linear_stream: ", a.rows, " rows (1..16)");
+  const int BN = a.rows <= 8 ? 8 : 16;
+  StreamParams p{};
+  p.N = a.N;
+  p.KB = sign_blocks(a.K);
+  p.rows = a.rows;
+  p.xq = a.xq;
+  p.y = a.y;
+  p.w = tensor_map(MapKind::kW, a.w, a.N, a.K);
+  p.x = tensor_map(BN == 8 ? MapKind::kX8 : MapKind::kX16, a.x, a.rows, a.K);
+  const void* distinct[kMaxRows];
+  for (int r = 0; r < a.rows; ++r) {
+    const DeltaRef& d = a.deltas[r];
+    if (!d.signs) continue;
+    if ((reinterpret_cast<uintptr_t>(d.signs) & 15) != 0)
+      fail("cuda::fused_linear_stream: row ", r, "'s packed signs are not 16-byte aligned");
+    int v = 0;
+    while (v < p.nvar && distinct[v] != d.signs) ++v;
+    if (v == p.nvar) {
+      distinct[v] = d.signs;
+      p.signs[p.nvar++] = tensor_map(MapKind::kSigns, d.signs, a.N, a.K);
+    }
+    p.drow[p.nd] = r;
+    p.dvar[p.nd] = v;
+    p.alpha[p.nd] = d.alpha;
+    p.alpha_per_row[p.nd] = d.alpha_per_row ? 1 : 0;
+    ++p.nd;
+  }
+  if (p.nd > 0 && !a.xq) fail("cuda::fused_linear_stream: rows with a delta but no quantized x");
+  p.xq_block = quantized_x_block(a.rows);
+  p.tx_bytes = kWStage + 4 * BN * 128 + p.nvar * kSignTile + (p.nvar ? p.xq_block : 0);
+  p.stage_bytes = (p.tx_bytes + 1023) / 1024 * 1024;
+  const int fixed = 1024 + kBM * BN * 4 + 16 * kMaxStages + 16;
+  p.stages = std::min(kMaxStages, (info.smem_optin - fixed) / p.stage_bytes);
+  if (a.stages > 0) p.stages = std::min(p.stages, a.stages);
+  if (p.stages < 1) fail("cuda::fused_linear_stream: a stage of ", p.stage_bytes, " bytes does not fit");
+  const int tiles = (a.N + kBM - 1) / kBM;
+  if (a.k_split > 0) {  // every tile in k_split parts
+    p.whole = 0;
+    p.ks = std::min(a.k_split, p.KB);
+  } else {
+    p.whole = tiles / info.sms * info.sms;
+    p.ks = choose_split(tiles - p.whole, p.KB, info.sms);
+  }
+  p.units = p.whole + (tiles - p.whole) * p.ks;
+  if (p.ks > 1) {
+    const size_t split_tiles = size_t(tiles - p.whole);
+    const DeviceInfo::Scratch sc = split_scratch(stream, split_tiles * p.ks * BN * kBM, split_tiles);
+    p.parts = sc.parts;
+    p.arrived = sc.arrived;
+  }
+  const int smem = 1024 + p.stages * p.stage_bytes + kBM * BN * 4 + 16 * p.stages + 16;
+
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(std::min(p.units, info.sms)));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.nd > 0 && a.dependent_launch ? 1 : 0;
+  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernels[BN == 8 ? 0 : 1][nd_index(p.nd)], p));
+}
+
+}  // namespace bitdelta::cuda

@@ -1,0 +1,46 @@
+// The streaming decode kernel (sm_90a), one of fused_linear_decode's two kernels (1..16 rows of x,
+// each with its own variant or none):
+//
+//   y[r] = x[r]·Wᵀ + α_v(r) ⊙ (x[r]·S_v(r)ᵀ)
+//
+// Persistent thread blocks (one per multiprocessor) take 64-row tiles of the output over all of K;
+// the tiles that would leave blocks idle in a last round are split along K instead, their parts
+// summed through memory in a fixed order. One
+// producer thread streams, per block, W's 64 × 256 tile, x's rows and each distinct variant's 64 ×
+// 256 sign bits (2 KB, the packed layout of packed_signs.h) with the tensor memory accelerator into a
+// ring of shared-memory stages, and, once the launch that quantizes x has finished, x's bit-planes.
+// One consumer warpgroup computes W·xᵀ with wgmma (both operands in shared memory: no instruction
+// touches W's bytes) and each row's delta term with the 1-bit mma (fused_linear_decode.cuh). The
+// bytes still decide it: W once per launch, each variant's bits once.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "bitdelta/delta_ref.h"
+
+namespace bitdelta::cuda {
+
+constexpr int kMaxStreamSplit = 8;  // parts of K per split tile
+
+struct StreamArgs {
+  const __nv_bfloat16* w = nullptr;
+  int N = 0, K = 0;
+  const __nv_bfloat16* x = nullptr;
+  int rows = 0;
+  const DeltaRef* deltas = nullptr;  // per row (host array of device pointers; packed signs)
+  const uint8_t* xq = nullptr;       // x quantized by prepare_x (quantized_x_block), if any row has a delta
+  float* y = nullptr;                // [rows, N]
+  int k_split = 0;                   // > 0: every tile in k_split parts; 0 = split only the leftover tiles
+  int stages = 0;                    // 0 = as many as fit
+  bool dependent_launch = false;     // the quantizing launch precedes it (programmatic dependent launch)
+};
+
+// Whether the current device runs the kernel (sm_90 with the tensor-map encoder) and takes these
+// operands (K a multiple of 8: TMA row strides of 16 bytes; W and x 16-byte aligned).
+bool stream_kernel_supports(const __nv_bfloat16* w, int K, const __nv_bfloat16* x);
+// Whether DecodeKernel::kAuto picks it for this shape (by measurement: bench/cuda/NOTES.md).
+bool stream_kernel_preferred(int N, int K, int rows);
+void fused_linear_stream(const StreamArgs& args, cudaStream_t stream);
+
+}  // namespace bitdelta::cuda
