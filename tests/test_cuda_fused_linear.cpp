@@ -155,11 +155,13 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
                           std::to_string(rows) + (per_row ? " alpha/row" : " alpha/tensor") +
                           " v[" + vlist.substr(0, 40) + "]";
 
-  if (rows <= 16) {
-    poison(dy.ptr, dy.n);
-    bcuda::fused_linear_reference(wb, N, K, xb, rows, raw_refs, dy.ptr, nullptr);
-    BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
-    expect("cuda reference   " + tag, dy.to_host(), ref, 1e-6);
+  if (rows <= bcuda::kMaxDecodeRows) {
+    if (rows <= 16) {
+      poison(dy.ptr, dy.n);
+      bcuda::fused_linear_reference(wb, N, K, xb, rows, raw_refs, dy.ptr, nullptr);
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      expect("cuda reference   " + tag, dy.to_host(), ref, 1e-6);
+    }
     for (int ks : {0, 1, 2, 4, 8}) {
       poison(dy.ptr, dy.n);
       bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {ks, 0, bcuda::DecodeKernel::kRegisters});
@@ -282,6 +284,15 @@ int main() {
       for (int r = 0; r < 16; ++r) rows16[r] = r % 5 == 4 ? -1 : r % 7;
       check_case(rng, 8645, 2048, rows16, 7, true);
       check_case(rng, 8645, 2048, {1, 0, 1}, 2, false);
+    }
+    // 17..32 rows: the streaming kernel in one launch (wgmma n32), the register kernel in two.
+    {
+      std::vector<int> rows32(32), rows24(24);
+      for (int r = 0; r < 32; ++r) rows32[r] = r % 9 == 8 ? -1 : (r * 5) % 13;
+      for (int r = 0; r < 24; ++r) rows24[r] = r / 2;
+      check_case(rng, 257, 4096, rows32, 13, true);
+      check_case(rng, 130, 1024, rows24, 12, false);
+      check_case(rng, 8645, 512, rows32, 13, false);
     }
     // Prefill: many rows of one variant.
     for (const Shape s : {Shape{300, 512}, Shape{129, 1003}, Shape{1024, 4096}})

@@ -164,12 +164,12 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           },
           reps);
       add({shape, "a: 1 row 1 variant",
-           "registers ks=" + std::to_string(ks ? ks : bcuda::decode_default_k_split(N)) +
+           "registers ks=" + std::to_string(ks ? ks : bcuda::decode_default_k_split(N, 1)) +
                (ks ? "" : " (default)"),
            t, bytes, t_cublas, "x cuBLAS"});
     }
     if (stream_runs)
-      for (int ks : {0, 1, 2, 4}) {
+      for (int ks : {0}) {
         const double t = time_us(
             [&](int s) {
               const DeltaRef d = delta(s, 0);
@@ -244,6 +244,26 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
             reps);
         add({shape, "d: " + std::to_string(nr) + " rows " + std::to_string(nr) + " variants",
              kernel == kStream ? "stream" : "registers", t, bytes_r, bytes_r / copy_bw * 1e6, "x roofline"});
+      }
+    }
+    // 32 rows of 14 variants (a decode batch of 32 with the 7B benchmark's 14 fine-tunes mixed, rows
+    // of a variant adjacent): the register kernel takes them in two launches of 16 rows (two reads of
+    // W), the streaming kernel in one.
+    {
+      const int nv = 14;
+      const double bytes_e = double(wbytes) + nv * (double(sbytes) + N * 4.0);
+      for (auto kernel : {kRegisters, kStream}) {
+        if (kernel == kStream && !stream_runs) continue;
+        const double t = time_us(
+            [&](int s) {
+              DeltaRef d[32];
+              for (int r = 0; r < 32; ++r) d[r] = delta(s, r * nv / 32);
+              bcuda::fused_linear_decode(W(s), N, K, X, 32, {d, 32}, Y, nullptr,
+                                         {0, 0, kernel});
+            },
+            reps);
+        add({shape, "e: 32 rows 14 variants", kernel == kStream ? "stream (one launch)" : "registers (2 x 16)", t,
+             bytes_e, bytes_e / copy_bw * 1e6, "x roofline"});
       }
     }
     if (profile_only) return;

@@ -39,9 +39,9 @@ __device__ __forceinline__ void delta_block(const uint4& a, const uint4& b, floa
 }
 
 // The quantized rows of x that prepare_x writes, per 256-column block: (scale, Σq) of each row as two
-// floats (room for 16 rows: 128 bytes), then each row's 32 lanes' B fragments (512 bytes per row).
+// floats (room for 32 rows: 256 bytes), then each row's 32 lanes' B fragments (512 bytes per row).
 // A block is contiguous and 16-byte aligned: the streaming kernel copies it with one bulk copy.
-constexpr int kQuantizedPlanes = 128;  // offset of the bit-planes in a block
+constexpr int kQuantizedPlanes = 256;  // offset of the bit-planes in a block
 __host__ __device__ __forceinline__ int quantized_x_block(int rows) { return kQuantizedPlanes + rows * 512; }
 
 }  // namespace bitdelta::cuda

@@ -36,7 +36,7 @@ std::string unavailable_reason() {
 namespace {
 
 constexpr size_t kAlign = 256;           // every tensor on the device starts 256-byte aligned
-constexpr size_t kDecodeRows = 16;          // rows per fused decode launch (the kernel's limit)
+constexpr size_t kDecodeRows = 32;          // rows per fused decode call (its limit: one read of W for all)
 // Rows of one weight (and delta) in a step from which a GEMM beats 16-row fused decode launches
 // (each of which reads the weight again): for the base alone cuBLAS wins from 17 rows; with a delta
 // the fused GEMM (sm_90a: W_eff formed in registers, W read once) wins from 17 rows too — at 17, 32
@@ -423,7 +423,8 @@ struct DeviceModel::Impl {
   // y[rows, N] = x[rows, K] · W_effᵀ for rows that each name their weight and delta. Consecutive
   // rows with the same weight form a segment; inside it a variant with ≥ gemm_rows() rows goes
   // through a GEMM (cuBLAS for the base, the fused GEMM for a delta), the others through the fused decode
-  // kernel, up to 16 rows (of any variants) per launch, which reads the base once per launch.
+  // kernel, up to 32 rows (of any variants) per call, which reads the base once per launch (the
+  // streaming kernel takes all 32 in one; the register kernel, elsewhere, 16 at a time).
   void linear(const std::vector<const LinearOnDevice*>& lin, const bf16* xin, int K, float* y, int N) {
     const size_t R = lin.size();
     std::vector<DeltaRef> deltas;
@@ -441,7 +442,7 @@ struct DeviceModel::Impl {
         a = e;
         continue;
       }
-      // Small runs: gather up to 16 rows of this weight into one decode launch.
+      // Small runs: gather up to 32 rows of this weight into one decode call.
       size_t b = a;
       while (b < R && b - a < kDecodeRows && same_weight(b)) {
         const size_t re = run_end(b);

@@ -168,10 +168,12 @@ __device__ __forceinline__ void load_slot_signs(const uint4* const (&sgn)[MS], i
 template <int MAXS, int MS, int RS>
 __device__ __forceinline__ void load_slot_x(const DecodeParams& p, const Slot* slots, int nmine, int kb, int lane,
                                             uint4 (&xbf)[MS][RS], float (&sc)[MS][RS]) {
-  const uint8_t* blk = p.xq + size_t(kb) * p.xq_block;  // quantized_x_block
+  // Block kb (quantized_x_block): (scale, Σq) per row, then the rows' bit-plane fragments.
+  const uint4* planes = reinterpret_cast<const uint4*>(p.xq + kQuantizedPlanes);
+  const float2* scales = reinterpret_cast<const float2*>(p.xq);
   for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int r) {
-    xbf[s][i] = __ldcg(reinterpret_cast<const uint4*>(blk + kQuantizedPlanes) + r * 32 + lane);
-    sc[s][i] = __ldcg(reinterpret_cast<const float*>(blk) + 2 * r);
+    xbf[s][i] = __ldcg(planes + (size_t(kb) * (p.xq_block >> 4) + r * 32 + lane));
+    sc[s][i] = __ldcg(&scales[size_t(kb) * (p.xq_block >> 3) + r].x);
   });
 }
 
@@ -499,19 +501,39 @@ void pack_signs(const uint8_t* raw, int N, int K, uint8_t* packed, cudaStream_t 
 void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
                          std::span<const DeltaRef> deltas, float* y, cudaStream_t stream,
                          const DecodeOptions& options) {
-  if (rows < 1 || rows > kMaxRows)
-    fail("cuda::fused_linear_decode: ", rows, " rows (1..", kMaxRows, " allowed)");
+  if (rows < 1 || rows > kMaxDecodeRows)
+    fail("cuda::fused_linear_decode: ", rows, " rows (1..", kMaxDecodeRows, " allowed)");
   if (int(deltas.size()) != rows)
     fail("cuda::fused_linear_decode: ", deltas.size(), " deltas for ", rows, " rows");
   if (N < 1 || K < 1) fail("cuda::fused_linear_decode: empty weight [", N, ", ", K, "]");
+  // Rows that share signs must share alpha.
+  int variants = 0;
+  for (int r = 0; r < rows; ++r) {
+    const DeltaRef& d = deltas[r];
+    if (!d.signs) continue;
+    if (!d.alpha) fail("cuda::fused_linear_decode: row ", r, " has signs but no alpha");
+    if (!aligned16(d.signs)) fail("cuda::fused_linear_decode: row ", r, "'s packed signs are not 16-byte aligned");
+    int q = 0;
+    while (q < r && deltas[q].signs != d.signs) ++q;
+    if (q == r)
+      ++variants;
+    else if (deltas[q].alpha != d.alpha || deltas[q].alpha_per_row != d.alpha_per_row)
+      fail("cuda::fused_linear_decode: rows share signs ", d.signs, " but not alpha");
+  }
   const bool streaming = options.kernel != DecodeKernel::kRegisters && stream_kernel_supports(w, K, x) &&
+                         variants <= kMaxStreamVariants &&
                          (options.kernel == DecodeKernel::kStream || stream_kernel_preferred(N, K, rows));
+  if (!streaming && rows > kMaxRows) {  // the register kernel takes 16 rows at a time
+    fused_linear_decode(w, N, K, x, kMaxRows, deltas.first(kMaxRows), y, stream, options);
+    return fused_linear_decode(w, N, K, x + size_t(kMaxRows) * K, rows - kMaxRows, deltas.subspan(kMaxRows),
+                               y + size_t(kMaxRows) * N, stream, options);
+  }
   int k_split = options.k_split;
   if (streaming) {
     if (k_split < 0 || k_split > kMaxStreamSplit)
       fail("cuda::fused_linear_decode: k_split ", k_split, " (0 to ", kMaxStreamSplit, ")");
   } else {
-    if (k_split == 0) k_split = decode_default_k_split(N);
+    if (k_split == 0) k_split = decode_default_k_split(N, rows);
     if (k_split != 1 && k_split != 2 && k_split != 4 && k_split != 8)
       fail("cuda::fused_linear_decode: k_split ", k_split, " (1, 2, 4 or 8)");
   }
@@ -526,22 +548,18 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   p.k_split = k_split;
   // The vector path needs whole 64-column steps and 16-byte aligned rows.
   p.aligned = K % kKBlock == 0 && aligned16(w) && aligned16(x);
-  // Rows that share signs must share alpha; one slot per row, or per variant and group of 4 rows when
-  // that saves slots and the groups fit the warps.
-  const void* signs_of_row[kMaxRows] = {};
-  Slot by_row[kMaxRows], by_group[kMaxRows];
+  // The register kernel's slots: one per row, or per variant and group of 4 rows when that saves
+  // slots and the groups fit the warps. (The streaming kernel takes up to 32 rows and needs only to
+  // know whether any row has a delta.)
+  Slot by_row[kMaxDecodeRows], by_group[kMaxDecodeRows];
   int nrow = 0, ngroup = 0;
   for (int r = 0; r < rows; ++r) {
     const DeltaRef& d = deltas[r];
     if (!d.signs) continue;
-    if (!d.alpha) fail("cuda::fused_linear_decode: row ", r, " has signs but no alpha");
-    if (!aligned16(d.signs)) fail("cuda::fused_linear_decode: row ", r, "'s packed signs are not 16-byte aligned");
-    for (int q = 0; q < r; ++q)
-      if (signs_of_row[q] == d.signs && (p.alpha[q] != d.alpha || p.alpha_per_row[q] != int(d.alpha_per_row)))
-        fail("cuda::fused_linear_decode: rows share signs ", d.signs, " but not alpha");
-    signs_of_row[r] = d.signs;
-    p.alpha[r] = d.alpha;
-    p.alpha_per_row[r] = d.alpha_per_row ? 1 : 0;
+    if (r < kMaxRows) {
+      p.alpha[r] = d.alpha;
+      p.alpha_per_row[r] = d.alpha_per_row ? 1 : 0;
+    }
     const auto* sg = reinterpret_cast<const uint4*>(d.signs);
     by_row[nrow++] = Slot{sg, r, 1u};
     int s = 0;
@@ -553,7 +571,8 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     fail("cuda::fused_linear_decode: rows_per_slot ", options.rows_per_slot, " (0, 1 or 4)");
   const bool grouped = ngroup <= kWarps && (options.rows_per_slot == 4 || (options.rows_per_slot == 0 && ngroup < nrow));
   p.nslots = grouped ? ngroup : nrow;
-  for (int s = 0; s < p.nslots; ++s) p.slots[s] = grouped ? by_group[s] : by_row[s];
+  if (!streaming)
+    for (int s = 0; s < p.nslots; ++s) p.slots[s] = grouped ? by_group[s] : by_row[s];
   // The rows of x quantized for the delta term go to a scratch buffer of this stream.
   p.xq_block = quantized_x_block(rows);
   const auto [dependent_launch, scratch] = device_state(stream, p.nslots ? size_t(p.KB) * p.xq_block : 0);
@@ -577,10 +596,18 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     launch_slots<2>(p, grouped, dependent_launch, stream);
 }
 
-int decode_default_k_split(int) {
+int decode_default_k_split(int N, int rows) {
   // Measured (bench/cuda/NOTES.md, run 5 with v6, run 18 with v8): k_split 8 was fastest or within
-  // 2% at every benchmark shape, N = 4096..28672: more warps per tile keep more bytes in flight.
-  return kWarps;
+  // 2% at every benchmark shape, N = 4096..28672: more warps per tile keep more bytes in flight. For
+  // one row, k_split 2 (4 tiles per block) was 2–5% faster where that still gives every
+  // multiprocessor a block (N ≥ 16·4·SMs: 11008 and 28672 rows on an H200; runs 41, 42, 47).
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return 1 << 20;
+    return n;
+  }();
+  return rows == 1 && N / 16 / (kWarps / 2) >= sms ? 2 : kWarps;
 }
 
 }  // namespace bitdelta::cuda

@@ -1,4 +1,5 @@
-// The fused multi-variant BitDelta linear for decode (1..16 rows):
+// The fused multi-variant BitDelta linear for decode (1..32 rows; the register kernel takes 16 at a
+// time, the streaming kernel all 32 in one read of W):
 //   y[r] = x[r]·W_baseᵀ + α_v(r) ⊙ (x[r]·S_v(r)ᵀ),   S = ±1 from the sign bits (DESIGN.md §3).
 //
 // Bytes decide it (decode is memory-bound): per launch the base is read once for all rows and each
@@ -44,6 +45,8 @@ namespace bitdelta::cuda {
 //               16-byte aligned W and x; otherwise kRegisters runs.
 enum class DecodeKernel { kAuto, kRegisters, kStream };
 
+constexpr int kMaxDecodeRows = 32;  // rows of x per call
+
 struct DecodeOptions {
   // kRegisters: warps that share one 16-row tile along K (1, 2, 4 or 8); kStream: parts of K per
   // 64-row tile, summed through memory (1..8). 0 = choose.
@@ -62,8 +65,9 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
                          std::span<const DeltaRef> deltas, float* y, cudaStream_t stream,
                          const DecodeOptions& options = {});
 
-// The k_split that fused_linear_decode chooses for N output rows (before slot groups take warps).
-int decode_default_k_split(int N);
+// The k_split that the register kernel chooses for N output rows and `rows` rows of x (before slot
+// groups take warps).
+int decode_default_k_split(int N, int rows);
 
 // The packed sign layout (packed_signs.h) of an [N, K] delta: bytes, and the conversion from the
 // file's layout ([N, ceil(K/8)] bytes, LSB first), on the GPU. Both pointers on the device; packed is

@@ -18,7 +18,7 @@ namespace {
 
 constexpr int kBM = 64;          // output rows per tile: one consumer warpgroup (wgmma's M)
 constexpr int kBK = 256;         // columns per stage: one packed sign block
-constexpr int kMaxRows = 16;     // rows of x per launch
+constexpr int kMaxRows = 32;     // rows of x per launch
 constexpr int kConsumers = 128;  // one warpgroup
 constexpr int kThreads = kConsumers + 32;  // + the producer warp (one thread issues the copies)
 constexpr int kWStage = kBM * kBK * 2;     // W's bytes per stage: 4 swizzled chunks of 64 × 64
@@ -29,7 +29,7 @@ constexpr int kMaxStages = 8;
 // [quantized x: one block of quantized_x_block(rows) bytes], 1024-byte aligned (the swizzle atoms).
 struct StreamParams {
   CUtensorMap w, x;
-  CUtensorMap signs[kMaxRows];  // per distinct variant
+  CUtensorMap signs[kMaxStreamVariants];  // per distinct variant
   const uint8_t* xq;
   float* y;
   float* parts;        // split tiles: [split tile][part][BN][64] partial sums
@@ -48,17 +48,24 @@ struct StreamParams {
 // both K-major in shared memory. scale-d as an immediate (see the prefill kernel's wgmma).
 template <int BN, bool Accumulate>
 __device__ __forceinline__ void wgmma_ss(float (&d)[BN / 2], uint64_t da, uint64_t db) {
-  static_assert(BN == 8 || BN == 16);
+  static_assert(BN == 8 || BN == 16 || BN == 32);
   if constexpr (BN == 8)
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, %6, 1, 1, 0, 0;\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "l"(da), "l"(db), "n"(Accumulate ? 1 : 0));
-  else
+  if constexpr (BN == 16)
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, %10, 1, "
         "1, 0, 0;\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "n"(Accumulate ? 1 : 0));
+  if constexpr (BN == 32)
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15}, %16, %17, %18, 1, 1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
         : "l"(da), "l"(db), "n"(Accumulate ? 1 : 0));
 }
 
@@ -68,7 +75,8 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;
 // Persistent: block b takes units b, b + grid, ... (unit = a 64-row tile over all of K, or one of ks
 // parts of K for the tiles left over when the whole ones are spread evenly: each block's split unit
 // comes last, so that its epilogue, which waits on memory, does not hold up the ring). The producer's
-// ring runs on across units, so a unit's first copies fly while the last one's epilogue runs. BN: rows of x per tile (8 or 16, the wgmma's N; rows past `rows` are zero-filled by the TMA).
+// ring runs on across units, so a unit's first copies fly while the last one's epilogue runs.
+// BN: rows of x per tile (8, 16 or 32, the wgmma's N; rows past `rows` are zero-filled by the TMA).
 // ND: delta rows computed per stage (nd rounded up; the padding repeats delta row 0 and is dropped), a
 // constant so that the delta loop has no branches and its rows' 1-bit mma overlap.
 template <int BN, int ND>
@@ -155,14 +163,10 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     int pw[4];
     plane_weights(t, pw);
-    // Per padded delta row: its sign tile and bit-plane row in a stage, and (scale, Σq)'s offset.
-    int sgn_at[ND > 0 ? ND : 1], xq_at[ND > 0 ? ND : 1];
-#pragma unroll
-    for (int d = 0; d < ND; ++d) {
-      const int dd = d < p.nd ? d : 0;
-      sgn_at[d] = sgn_off + p.dvar[dd] * kSignTile + (warp * 32 + lane) * 16;
-      xq_at[d] = p.drow[dd];
-    }
+    // Padded delta row d: its sign tile and row of x in a stage (the padding repeats delta row 0).
+    const auto var_of = [&](int d) { return p.dvar[d < p.nd ? d : 0]; };
+    const auto row_of = [&](int d) { return p.drow[d < p.nd ? d : 0]; };
+    const int lane_sgn = sgn_off + (warp * 32 + lane) * 16;
     int it = 0;
     for (int u = int(blockIdx.x); u < p.units; u += grid) {
       int n0, kb0, nst;
@@ -193,9 +197,9 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         const uint8_t* xq = st + xq_off;
 #pragma unroll
         for (int d = 0; d < ND; ++d) {
-          const uint4 a = *reinterpret_cast<const uint4*>(st + sgn_at[d]);
-          const uint4 b = *reinterpret_cast<const uint4*>(xq + kQuantizedPlanes + xq_at[d] * 512 + lane * 16);
-          const float2 sc = *reinterpret_cast<const float2*>(xq + xq_at[d] * 8);
+          const uint4 a = *reinterpret_cast<const uint4*>(st + lane_sgn + var_of(d) * kSignTile);
+          const uint4 b = *reinterpret_cast<const uint4*>(xq + kQuantizedPlanes + row_of(d) * 512 + lane * 16);
+          const float2 sc = *reinterpret_cast<const float2*>(xq + row_of(d) * 8);
           delta_block(a, b, sc.x, pw, dacc[d]);
           sq[d] += sc.x * sc.y;
         }
@@ -265,12 +269,15 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
 }
 
 using KernelFn = void (*)(StreamParams);
-// [BN 8, 16][ND 0, 1, 2, 4, 8, 16]
-constexpr KernelFn kKernels[2][6] = {
-    {stream_kernel<8, 0>, stream_kernel<8, 1>, stream_kernel<8, 2>, stream_kernel<8, 4>, stream_kernel<8, 8>, nullptr},
+// [BN 8, 16, 32][ND 0, 1, 2, 4, 8, 16, 32]
+constexpr KernelFn kKernels[3][7] = {
+    {stream_kernel<8, 0>, stream_kernel<8, 1>, stream_kernel<8, 2>, stream_kernel<8, 4>, stream_kernel<8, 8>, nullptr,
+     nullptr},
     {stream_kernel<16, 0>, stream_kernel<16, 1>, stream_kernel<16, 2>, stream_kernel<16, 4>, stream_kernel<16, 8>,
-     stream_kernel<16, 16>}};
-int nd_index(int nd) { return nd <= 2 ? nd : nd <= 4 ? 3 : nd <= 8 ? 4 : 5; }
+     stream_kernel<16, 16>, nullptr},
+    {stream_kernel<32, 0>, stream_kernel<32, 1>, stream_kernel<32, 2>, stream_kernel<32, 4>, stream_kernel<32, 8>,
+     stream_kernel<32, 16>, stream_kernel<32, 32>}};
+int nd_index(int nd) { return nd <= 2 ? nd : nd <= 4 ? 3 : nd <= 8 ? 4 : nd <= 16 ? 5 : 6; }
 
 // Per device: whether the kernel runs there, its shared-memory limit (opted in once), and per stream
 // the split parts' scratch (partial sums and the tiles' counters, zero between launches).
@@ -337,7 +344,7 @@ DeviceInfo::Scratch split_scratch(cudaStream_t stream, size_t part_floats, size_
 // Tensor maps depend only on the pointer, the shape and the box: weights, deltas and the engine's
 // activation buffers recur call after call, so each is encoded once (a stale entry for a freed and
 // reused pointer of the same shape is the same map).
-enum class MapKind { kW, kX8, kX16, kSigns };
+enum class MapKind { kW, kX8, kX16, kX32, kSigns };
 
 CUtensorMap tensor_map(MapKind kind, const void* ptr, int N, int K) {
   static std::mutex mutex;
@@ -359,7 +366,8 @@ CUtensorMap tensor_map(MapKind kind, const void* ptr, int N, int K) {
     encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, ptr, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
   } else {
     const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(N)}, strides[1] = {cuuint64_t(K) * 2};
-    const cuuint32_t box[2] = {64, kind == MapKind::kW ? kBM : kind == MapKind::kX8 ? 8u : 16u};
+    const cuuint32_t rows = kind == MapKind::kW ? kBM : kind == MapKind::kX8 ? 8 : kind == MapKind::kX16 ? 16 : 32;
+    const cuuint32_t box[2] = {64, rows};
     encode_tensor_map(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
   }
   cache.emplace(key, map);
@@ -386,15 +394,18 @@ bool stream_kernel_preferred(int N, int K, int rows) {
   // is faster for 2–16 rows once W has at least 8192 rows (2–12% at 2–8 rows of distinct variants,
   // 8–28% at 16), and for 9–16 rows also at 4096 × 11008; at 4096 × 4096 and for one row the register
   // kernel is as fast or faster (its 16-row tiles spread 4096 rows over every multiprocessor).
+  // Above 16 rows it reads W once where the register kernel takes two launches: 1.3–1.8× faster at
+  // every shape (run 50, 32 rows of 14 variants).
   if (rows < 2) return false;
+  if (rows > 16) return true;
   return N >= 8192 || (rows > 8 && size_t(N) * size_t(K) > size_t(4096) * 4096);
 }
 
 void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   const DeviceInfo& info = device_info();
   if (!stream_kernel_supports(a.w, a.K, a.x)) fail("cuda::fused_linear_stream: this device or these operands");
-  if (a.rows < 1 || a.rows > kMaxRows) fail("cuda::fused_linear_stream: ", a.rows, " rows (1..16)");
-  const int BN = a.rows <= 8 ? 8 : 16;
+  if (a.rows < 1 || a.rows > kMaxRows) fail("cuda::fused_linear_stream: ", a.rows, " rows (1..", kMaxRows, ")");
+  const int BN = a.rows <= 8 ? 8 : a.rows <= 16 ? 16 : 32;
   StreamParams p{};
   p.N = a.N;
   p.KB = sign_blocks(a.K);
@@ -402,7 +413,7 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   p.xq = a.xq;
   p.y = a.y;
   p.w = tensor_map(MapKind::kW, a.w, a.N, a.K);
-  p.x = tensor_map(BN == 8 ? MapKind::kX8 : MapKind::kX16, a.x, a.rows, a.K);
+  p.x = tensor_map(BN == 8 ? MapKind::kX8 : BN == 16 ? MapKind::kX16 : MapKind::kX32, a.x, a.rows, a.K);
   const void* distinct[kMaxRows];
   for (int r = 0; r < a.rows; ++r) {
     const DeltaRef& d = a.deltas[r];
@@ -412,6 +423,8 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
     int v = 0;
     while (v < p.nvar && distinct[v] != d.signs) ++v;
     if (v == p.nvar) {
+      if (p.nvar == kMaxStreamVariants)
+        fail("cuda::fused_linear_stream: more than ", kMaxStreamVariants, " variants in one launch");
       distinct[v] = d.signs;
       p.signs[p.nvar++] = tensor_map(MapKind::kSigns, d.signs, a.N, a.K);
     }
@@ -456,7 +469,7 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.nd > 0 && a.dependent_launch ? 1 : 0;
-  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernels[BN == 8 ? 0 : 1][nd_index(p.nd)], p));
+  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernels[BN == 8 ? 0 : BN == 16 ? 1 : 2][nd_index(p.nd)], p));
 }
 
 }  // namespace bitdelta::cuda

@@ -1,4 +1,4 @@
-// The streaming decode kernel (sm_90a), one of fused_linear_decode's two kernels (1..16 rows of x,
+// The streaming decode kernel (sm_90a), one of fused_linear_decode's two kernels (1..32 rows of x,
 // each with its own variant or none):
 //
 //   y[r] = x[r]·Wᵀ + α_v(r) ⊙ (x[r]·S_v(r)ᵀ)
@@ -21,7 +21,8 @@
 
 namespace bitdelta::cuda {
 
-constexpr int kMaxStreamSplit = 8;  // parts of K per split tile
+constexpr int kMaxStreamSplit = 8;      // parts of K per split tile
+constexpr int kMaxStreamVariants = 16;  // distinct variants per launch
 
 struct StreamArgs {
   const __nv_bfloat16* w = nullptr;
