@@ -316,20 +316,20 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     // Few rows of one variant (a decode batch of one fine-tune): 16-row fused decode launches (each
     // reading W) against the fused GEMM (one read of W), next to cuBLAS on the base.
     if (!profile_only)
-      for (int rows : {17, 32, 48}) {
+      for (int rows : {17, 24, 32, 48}) {
         const std::string cs = "c': " + std::to_string(rows) + " rows 1 variant";
         const double tb = time_us([&](int s) { cublas_rows(rows, s); }, preps);
         add({shape, cs, "cuBLAS base-only", tb, double(wbytes), 0, ""});
         const double td = time_us(
             [&](int s) {
-              DeltaRef d[16];
-              for (int v = 0; v < 16; ++v) d[v] = delta(s, 0);
-              for (int r0 = 0; r0 < rows; r0 += 16)
-                bcuda::fused_linear_decode(W(s), N, K, X + size_t(r0) * K, std::min(16, rows - r0),
-                                           {d, size_t(std::min(16, rows - r0))}, Y + size_t(r0) * N, nullptr);
+              DeltaRef d[32];
+              for (int v = 0; v < 32; ++v) d[v] = delta(s, 0);
+              for (int r0 = 0; r0 < rows; r0 += 32)
+                bcuda::fused_linear_decode(W(s), N, K, X + size_t(r0) * K, std::min(32, rows - r0),
+                                           {d, size_t(std::min(32, rows - r0))}, Y + size_t(r0) * N, nullptr);
             },
             preps);
-        add({shape, cs, "fused decode, 16-row launches", td, bytes, tb, "x cuBLAS"});
+        add({shape, cs, "fused decode, 32-row calls", td, bytes, tb, "x cuBLAS"});
         const double tf = time_us(
             [&](int s) { prefill.run(M::kFused, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
         add({shape, cs, "fused GEMM", tf, bytes, tb, "x cuBLAS"});

@@ -16,11 +16,14 @@
 namespace bitdelta::cuda {
 namespace {
 
-constexpr int kBM = 64;          // output rows per tile: one consumer warpgroup (wgmma's M)
+constexpr int kBM = 64;          // output rows per tile: wgmma's M for one warpgroup
 constexpr int kBK = 256;         // columns per stage: one packed sign block
 constexpr int kMaxRows = 32;     // rows of x per launch
-constexpr int kConsumers = 128;  // one warpgroup
-constexpr int kThreads = kConsumers + 32;  // + the producer warp (one thread issues the copies)
+constexpr int kConsumers = 256;  // two warpgroups
+constexpr int kThreads = kConsumers + 128;  // + a producer warpgroup (one thread issues the copies)
+// Registers per thread (setmaxnreg): the consumers take what the producer warpgroup does not need.
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(kConsumers * kConsumerRegs + 128 * kProducerRegs <= 65536);
 constexpr int kWStage = kBM * kBK * 2;     // W's bytes per stage: 4 swizzled chunks of 64 × 64
 constexpr int kSignTile = kBM / 16 * 512;  // one variant's sign bits per stage
 constexpr int kMaxStages = 8;
@@ -113,6 +116,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
   __syncthreads();
 
   if (tid >= kConsumers) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     if (tid == kConsumers) {
       // W, x and the sign tiles of ring stage `it` (block kb of the tile at n0; none of them written by
       // the quantizing launch), and its bit-planes.
@@ -160,110 +164,132 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     }
     __syncwarp();
   } else {
-    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+    // Warpgroup 0: the base on wgmma and delta rows [0, H); warpgroup 1: delta rows [H, ND). A warp's
+    // 16 rows of the tile are 16·(warp % 4)... in both.
+    const int wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    // (Warpgroup 0 also holds the base's accumulators: it takes 3/8 of 8 or more delta rows.)
+    constexpr int H = ND <= 4 ? (ND + 1) / 2 : ND * 3 / 8;
     int pw[4];
     plane_weights(t, pw);
     // Padded delta row d: its sign tile and row of x in a stage (the padding repeats delta row 0).
     const auto var_of = [&](int d) { return p.dvar[d < p.nd ? d : 0]; };
     const auto row_of = [&](int d) { return p.drow[d < p.nd ? d : 0]; };
-    const int lane_sgn = sgn_off + (warp * 32 + lane) * 16;
-    int it = 0;
-    for (int u = int(blockIdx.x); u < p.units; u += grid) {
-      int n0, kb0, nst;
-      unit_range(u, n0, kb0, nst);
-      float acc[BN / 2];
-      float dacc[ND > 0 ? ND : 1][2], sq[ND > 0 ? ND : 1];
+    const int lane_sgn = sgn_off + (wq * 32 + lane) * 16;
+    // One warpgroup's work; kBase: warpgroup 0 (each form without a branch around its wgmma).
+    const auto consume = [&]<bool kBase>() {
+      constexpr int D0 = kBase ? 0 : H, DN = kBase ? H : ND - H;  // its delta rows [D0, D0 + DN)
+      int it = 0;
+      for (int u = int(blockIdx.x); u < p.units; u += grid) {
+        int n0, kb0, nst;
+        unit_range(u, n0, kb0, nst);
+        float acc[BN / 2];
+        float dacc[DN > 0 ? DN : 1][2], sq[DN > 0 ? DN : 1];
 #pragma unroll
-      for (int d = 0; d < (ND > 0 ? ND : 1); ++d) dacc[d][0] = dacc[d][1] = sq[d] = 0.0f;
-      // Stage: W·xᵀ on wgmma (16 steps of k16), the delta rows' 1-bit mma from the same stage while they
-      // run, then the slot goes back to the producer.
-      const auto stage = [&]<bool First>() {
-        const int slot = it % S;
-        mbar_wait(full0 + 8 * slot, (it / S) & 1);
-        const uint8_t* st = smem + slot * p.stage_bytes;
-        const uint64_t dw = sw128_desc(smem_addr(st)), dx = sw128_desc(smem_addr(st + kWStage));
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        for (int d = 0; d < (DN > 0 ? DN : 1); ++d) dacc[d][0] = dacc[d][1] = sq[d] = 0.0f;
+        // Stage: W·xᵀ on wgmma (16 steps of k16), the delta rows' 1-bit mma from the same stage while
+        // they run, then the slot goes back to the producer.
+        const auto stage = [&]<bool First>() {
+          const int slot = it % S;
+          mbar_wait(full0 + 8 * slot, (it / S) & 1);
+          const uint8_t* st = smem + slot * p.stage_bytes;
+          if constexpr (kBase) {
+            const uint64_t dw = sw128_desc(smem_addr(st)), dx = sw128_desc(smem_addr(st + kWStage));
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
+            for (int c = 0; c < 4; ++c)
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const uint64_t a = dw + ((c * kBM * 128) >> 4) + 2 * k, b = dx + ((c * BN * 128) >> 4) + 2 * k;
-            if (First && c == 0 && k == 0)
-              wgmma_ss<BN, false>(acc, a, b);
-            else
-              wgmma_ss<BN, true>(acc, a, b);
+              for (int k = 0; k < 4; ++k) {
+                const uint64_t a = dw + ((c * kBM * 128) >> 4) + 2 * k, b = dx + ((c * BN * 128) >> 4) + 2 * k;
+                if (First && c == 0 && k == 0)
+                  wgmma_ss<BN, false>(acc, a, b);
+                else
+                  wgmma_ss<BN, true>(acc, a, b);
+              }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        const uint8_t* xq = st + xq_off;
+          const uint8_t* xq = st + xq_off;
 #pragma unroll
-        for (int d = 0; d < ND; ++d) {
-          const uint4 a = *reinterpret_cast<const uint4*>(st + lane_sgn + var_of(d) * kSignTile);
-          const uint4 b = *reinterpret_cast<const uint4*>(xq + kQuantizedPlanes + row_of(d) * 512 + lane * 16);
-          const float2 sc = *reinterpret_cast<const float2*>(xq + row_of(d) * 8);
-          delta_block(a, b, sc.x, pw, dacc[d]);
-          sq[d] += sc.x * sc.y;
-        }
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        mbar_arrive(empty0 + 8 * slot);
-        ++it;
-      };
-      stage.template operator()<true>();
-      for (int i = 1; i < nst; ++i) stage.template operator()<false>();
+          for (int d = 0; d < DN; ++d) {
+            // Opaque per stage, so that the rows' offsets are read again (from the parameters) rather
+            // than held in registers across the loop (with 32 rows they spilled).
+            int dd = D0 + d;
+            asm volatile("" : "+r"(dd));
+            const int row = row_of(dd);
+            const uint4 a = *reinterpret_cast<const uint4*>(st + lane_sgn + var_of(dd) * kSignTile);
+            const uint4 b = *reinterpret_cast<const uint4*>(xq + kQuantizedPlanes + row * 512 + lane * 16);
+            const float2 sc = *reinterpret_cast<const float2*>(xq + row * 8);
+            delta_block(a, b, sc.x, pw, dacc[d]);
+            sq[d] += sc.x * sc.y;
+          }
+          if constexpr (kBase) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          mbar_arrive(empty0 + 8 * slot);
+          ++it;
+        };
+        stage.template operator()<true>();
+        for (int i = 1; i < nst; ++i) stage.template operator()<false>();
 
-      // The unit's sums in red[row of x][tile row]: the base (acc[4j + 2h + e]: tile row 16·warp + g +
-      // 8h, row of x 8j + 2t + e), then per delta row α·(2·Σ w_p·popc − Σ scale·Σq).
+        // The unit's sums in red[row of x][tile row]: the base (acc[4j + 2h + e]: tile row 16·wq + g +
+        // 8h, row of x 8j + 2t + e), then per delta row α·(2·Σ w_p·popc − Σ scale·Σq).
+        if constexpr (kBase) {
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
+          for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) red[(8 * j + 2 * t + e) * kBM + 16 * warp + g + 8 * h] = acc[4 * j + 2 * h + e];
-      consumers_sync();
-#pragma unroll
-      for (int d = 0; d < ND; ++d)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float v = dacc[d][h];
-          v += __shfl_xor_sync(0xffffffffu, v, 1);
-          v += __shfl_xor_sync(0xffffffffu, v, 2);
-          const int nl = 16 * warp + g + 8 * h, n = min(n0 + nl, p.N - 1);
-          if (t == 0 && d < p.nd)
-            red[p.drow[d] * kBM + nl] += __ldg(p.alpha[d] + (p.alpha_per_row[d] ? n : 0)) * (2.0f * v - sq[d]);
+              for (int e = 0; e < 2; ++e) red[(8 * j + 2 * t + e) * kBM + 16 * wq + g + 8 * h] = acc[4 * j + 2 * h + e];
         }
-      consumers_sync();
-      const int valid = min(kBM, p.N - n0);
-      if (u < p.whole || p.ks == 1) {
-        for (int e = tid; e < p.rows * kBM; e += kConsumers)
-          if ((e & (kBM - 1)) < valid) p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = red[e];
-      } else {
-        // Parts of a tile meet through memory: each writes its sums; the last to arrive adds all of
-        // them in part order (the same result on every run) and resets the tile's counter.
-        const int split = (u - p.whole) / p.ks;
-        float* mine = p.parts + (size_t(split) * p.ks + (u - p.whole) % p.ks) * (BN * kBM);
-        for (int e = tid; e < p.rows * kBM; e += kConsumers) mine[e] = red[e];
         consumers_sync();
-        if (tid == 0) {
-          __threadfence();  // cumulative: the consumers' stores before the barrier go first
-          const unsigned before = atomicAdd(p.arrived + split, 1u);
-          last_part = before == unsigned(p.ks - 1);
+#pragma unroll
+        for (int d = 0; d < DN; ++d)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float v = dacc[d][h];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            const int nl = 16 * wq + g + 8 * h, n = min(n0 + nl, p.N - 1), dd = D0 + d;
+            if (t == 0 && dd < p.nd)
+              red[p.drow[dd] * kBM + nl] += __ldg(p.alpha[dd] + (p.alpha_per_row[dd] ? n : 0)) * (2.0f * v - sq[d]);
+          }
+        consumers_sync();
+        const int valid = min(kBM, p.N - n0);
+        if (u < p.whole || p.ks == 1) {
+          for (int e = tid; e < p.rows * kBM; e += kConsumers)
+            if ((e & (kBM - 1)) < valid) p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = red[e];
+        } else {
+          // Parts of a tile meet through memory: each writes its sums; the last to arrive adds all of
+          // them in part order (the same result on every run) and resets the tile's counter.
+          const int split = (u - p.whole) / p.ks;
+          float* mine = p.parts + (size_t(split) * p.ks + (u - p.whole) % p.ks) * (BN * kBM);
+          for (int e = tid; e < p.rows * kBM; e += kConsumers) mine[e] = red[e];
+          consumers_sync();
+          if (tid == 0) {
+            __threadfence();  // cumulative: the consumers' stores before the barrier go first
+            const unsigned before = atomicAdd(p.arrived + split, 1u);
+            last_part = before == unsigned(p.ks - 1);
+            if (last_part) {
+              p.arrived[split] = 0;
+              __threadfence();
+            }
+          }
+          consumers_sync();
           if (last_part) {
-            p.arrived[split] = 0;
-            __threadfence();
+            const float* all = p.parts + size_t(split) * p.ks * (BN * kBM);
+            for (int e = tid; e < p.rows * kBM; e += kConsumers) {
+              if ((e & (kBM - 1)) >= valid) continue;
+              float v = 0.0f;
+              for (int q = 0; q < p.ks; ++q) v += __ldcg(all + size_t(q) * (BN * kBM) + e);
+              p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = v;
+            }
           }
         }
-        consumers_sync();
-        if (last_part) {
-          const float* all = p.parts + size_t(split) * p.ks * (BN * kBM);
-          for (int e = tid; e < p.rows * kBM; e += kConsumers) {
-            if ((e & (kBM - 1)) >= valid) continue;
-            float v = 0.0f;
-            for (int q = 0; q < p.ks; ++q) v += __ldcg(all + size_t(q) * (BN * kBM) + e);
-            p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = v;
-          }
-        }
+        consumers_sync();  // red is free for the next unit
       }
-      consumers_sync();  // red is free for the next unit
-    }
+    };
+    if (wg == 0)
+      consume.template operator()<true>();
+    else
+      consume.template operator()<false>();
   }
 #endif
 }

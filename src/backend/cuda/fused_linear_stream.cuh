@@ -9,8 +9,9 @@
 // producer thread streams, per block, W's 64 × 256 tile, x's rows and each distinct variant's 64 ×
 // 256 sign bits (2 KB, the packed layout of packed_signs.h) with the tensor memory accelerator into a
 // ring of shared-memory stages, and, once the launch that quantizes x has finished, x's bit-planes.
-// One consumer warpgroup computes W·xᵀ with wgmma (both operands in shared memory: no instruction
-// touches W's bytes) and each row's delta term with the 1-bit mma (fused_linear_decode.cuh). The
+// Two consumer warpgroups: the first computes W·xᵀ with wgmma (both operands in shared memory: no
+// instruction touches W's bytes); both share the rows' delta terms on the 1-bit mma
+// (fused_linear_decode.cuh). The
 // bytes still decide it: W once per launch, each variant's bits once.
 #pragma once
 
