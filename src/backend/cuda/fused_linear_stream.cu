@@ -415,16 +415,16 @@ bool stream_kernel_supports(const __nv_bfloat16* w, int K, const __nv_bfloat16* 
          (reinterpret_cast<uintptr_t>(x) & 15) == 0;
 }
 
-bool stream_kernel_preferred(int N, int K, int rows) {
-  // Run 47 (bench/cuda/NOTES.md, part 7), side by side with the register kernel: the streaming kernel
-  // is faster for 2–16 rows once W has at least 8192 rows (2–12% at 2–8 rows of distinct variants,
-  // 8–28% at 16), and for 9–16 rows also at 4096 × 11008; at 4096 × 4096 and for one row the register
-  // kernel is as fast or faster (its 16-row tiles spread 4096 rows over every multiprocessor).
-  // Above 16 rows it reads W once where the register kernel takes two launches: 1.3–1.8× faster at
-  // every shape (run 50, 32 rows of 14 variants).
+bool stream_kernel_preferred(int N, int, int rows) {
+  // Measured side by side with the register kernel (bench/cuda/NOTES.md, part 7; runs 47, 50, 53):
+  //   1 row: the register kernel is as fast or faster (its 16-row tiles spread W over every
+  //     multiprocessor; the streaming kernel's 64-row tiles give 4096 rows only 64);
+  //   2–8 rows: the streaming kernel is 2–12% faster once W has at least 8192 rows, slower at 4096;
+  //   9–16 rows: it is faster or within 2% at every shape (run 53: one variant 1.07–1.43× cuBLAS
+  //     against 1.15–1.91×);
+  //   17–32 rows: one launch reads W once where the register kernel takes two: 1.6–1.9× faster.
   if (rows < 2) return false;
-  if (rows > 16) return true;
-  return N >= 8192 || (rows > 8 && size_t(N) * size_t(K) > size_t(4096) * 4096);
+  return rows > 8 || N >= 8192;
 }
 
 void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
