@@ -599,15 +599,13 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
 int decode_default_k_split(int N, int rows) {
   // Measured (bench/cuda/NOTES.md, run 5 with v6, run 18 with v8): k_split 8 was fastest or within
   // 2% at every benchmark shape, N = 4096..28672: more warps per tile keep more bytes in flight. For
-  // one row, k_split 2 (4 tiles per block) was 2–5% faster where that still gives every
-  // multiprocessor a block (N ≥ 16·4·SMs: 11008 and 28672 rows on an H200; runs 41, 42, 47).
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return 1 << 20;
-    return n;
-  }();
-  return rows == 1 && N / 16 / (kWarps / 2) >= sms ? 2 : kWarps;
+  // one row, k_split 2 (4 tiles per block) was 2–8% faster where that still gives every
+  // multiprocessor a block (N ≥ 16·4·SMs: 11008 and 28672 rows on an H200; runs 41, 47, 49).
+  if (rows != 1) return kWarps;
+  int dev = 0, sms = 0;  // of the current device (the runtime answers from its cache)
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return N / 16 / (kWarps / 2) >= sms ? 2 : kWarps;
 }
 
 }  // namespace bitdelta::cuda

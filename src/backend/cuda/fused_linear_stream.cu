@@ -1,9 +1,7 @@
 #include "fused_linear_stream.cuh"
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -410,26 +408,31 @@ int choose_split(int leftover, int KB, int sms) {
 
 }  // namespace
 
+// TMA row strides of 16 bytes, and 16-byte aligned tensors.
+static bool operands_fit(const __nv_bfloat16* w, int K, const __nv_bfloat16* x) {
+  return K % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+}
+
 bool stream_kernel_supports(const __nv_bfloat16* w, int K, const __nv_bfloat16* x) {
-  return device_info().runs && K % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15) == 0 &&
-         (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+  return device_info().runs && operands_fit(w, K, x);
 }
 
 bool stream_kernel_preferred(int N, int, int rows) {
   // Measured side by side with the register kernel (bench/cuda/NOTES.md, part 7; runs 47, 50, 53):
   //   1 row: the register kernel is as fast or faster (its 16-row tiles spread W over every
   //     multiprocessor; the streaming kernel's 64-row tiles give 4096 rows only 64);
-  //   2–8 rows: the streaming kernel is 2–12% faster once W has at least 8192 rows, slower at 4096;
+  //   2–8 rows: the streaming kernel is 2–11% faster once W has at least 8192 rows (runs 47, 52);
+  //     at 4096 × 4096 it is slower, at 4096 × 11008 within 2%;
   //   9–16 rows: it is faster or within 2% at every shape (run 53: one variant 1.07–1.43× cuBLAS
   //     against 1.15–1.91×);
-  //   17–32 rows: one launch reads W once where the register kernel takes two: 1.6–1.9× faster.
+  //   17–32 rows: one launch reads W once where the register kernel takes two: 1.56–1.94× faster.
   if (rows < 2) return false;
   return rows > 8 || N >= 8192;
 }
 
 void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   const DeviceInfo& info = device_info();
-  if (!stream_kernel_supports(a.w, a.K, a.x)) fail("cuda::fused_linear_stream: this device or these operands");
+  if (!info.runs || !operands_fit(a.w, a.K, a.x)) fail("cuda::fused_linear_stream: this device or these operands");
   if (a.rows < 1 || a.rows > kMaxRows) fail("cuda::fused_linear_stream: ", a.rows, " rows (1..", kMaxRows, ")");
   const int BN = a.rows <= 8 ? 8 : a.rows <= 16 ? 16 : 32;
   StreamParams p{};
