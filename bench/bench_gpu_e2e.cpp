@@ -10,6 +10,10 @@
 //   4. decode tokens/s: batch 1 (base, one variant), batch B (base alone; all variants mixed),
 //      after prompts of `prompt` tokens; bytes per step against the copy-bandwidth roofline;
 //   5. TTFT p50/p99 per variant and for the base through the engine, one request at a time.
+// --profile-case NAME runs only the decode cases whose name contains NAME (then stops), with their
+// fourth step between cudaProfilerStart and cudaProfilerStop: `ncu --profile-from-start off` then
+// times each kernel of one decode step.
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -115,16 +119,22 @@ double read_file_speed(const fs::path& p) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: bench_gpu_e2e DIR [--prompt P] [--decode D] [--batch B] [--requests N] [--out F]\n");
+    std::fprintf(stderr,
+                 "usage: bench_gpu_e2e DIR [--prompt P] [--decode D] [--batch B] [--requests N] [--out F] "
+                 "[--profile-case NAME]\n");
     return 2;
   }
   const fs::path dir = argv[1];
   size_t prompt = 512, decode = 32, batch = 32, requests = 20;
-  std::string out_path;
+  std::string out_path, profile_case;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--out") {
       out_path = argv[i + 1];
+      continue;
+    }
+    if (k == "--profile-case") {
+      profile_case = argv[i + 1];
       continue;
     }
     const size_t v = std::strtoull(argv[i + 1], nullptr, 10);
@@ -245,6 +255,8 @@ int main(int argc, char** argv) {
                                   {"batch " + std::to_string(batch) + ", " + std::to_string(nv) + " variants mixed", mixed}};
     json dec = json::array();
     for (const auto& cs : cases) {
+      const bool profiled = !profile_case.empty() && cs.name.find(profile_case) != std::string::npos;
+      if (!profile_case.empty() && !profiled) continue;
       std::vector<Sequence> seqs;
       for (int v : cs.variants) seqs.push_back(model.new_sequence(v));
       for (size_t s = 0; s < seqs.size(); ++s) {  // prompts, one sequence per step
@@ -257,9 +269,11 @@ int main(int argc, char** argv) {
       for (size_t step = 0; step < decode; ++step) {
         std::vector<ForwardRow> rows;
         for (size_t s = 0; s < seqs.size(); ++s) rows.push_back({&seqs[s], int32_t((s * 31 + step * 7) % 1000), true});
+        if (profiled && step == 3) check(cudaProfilerStart(), "cudaProfilerStart");
         const auto t0 = Clock::now();
         model.forward(rows);
         if (step >= 2) times.push_back(secs(t0, Clock::now()));
+        if (profiled && step == 3) check(cudaProfilerStop(), "cudaProfilerStop");
       }
       std::vector<int> distinct(cs.variants);
       std::sort(distinct.begin(), distinct.end());
@@ -283,6 +297,7 @@ int main(int argc, char** argv) {
     return 1;
   }
 
+  if (!profile_case.empty()) return 0;
   // 5. TTFT through the engine (the Model above is gone: one base on the device).
   try {
     EngineOptions eo;

@@ -196,36 +196,55 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     add({shape, "b: roofline", "bytes / copy bandwidth", roof, bytes, 0, ""});
     const double t_cublas = time_us([&](int s) { cublas_rows(16, s); }, reps);
     add({shape, "b: 16 rows base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
-    // The stream kernel also with fixed splits of K (ks; 0: chosen).
-    const std::pair<bcuda::DecodeKernel, int> forms[] = {{kRegisters, 0}, {kStream, 0}, {kStream, 1}, {kStream, 4}};
-    const auto form_name = [](bcuda::DecodeKernel k, int ks) {
-      return k == kRegisters ? std::string("registers") : ks ? "stream ks=" + std::to_string(ks) : std::string("stream");
+    // The stream kernel also with a fixed split of K (ks 1), and with a ring of one stage (how much
+    // the ring's depth matters).
+    struct Form {
+      bcuda::DecodeKernel kernel;
+      int ks, stages;
     };
-    for (auto [kernel, ks] : forms) {
+    const Form forms[] = {{kRegisters, 0, 0}, {kStream, 0, 0}, {kStream, 1, 0}, {kStream, 0, 1}};
+    const auto form_name = [](const Form& f) {
+      return f.kernel == kRegisters ? std::string("registers")
+             : f.ks                 ? "stream ks=" + std::to_string(f.ks)
+             : f.stages             ? "stream stages=" + std::to_string(f.stages)
+                                    : std::string("stream");
+    };
+    if (stream_runs) {  // the base alone at 16 rows: W and x through the ring, no delta
+      const double t = time_us(
+          [&](int s) {
+            DeltaRef d[kVariants] = {};
+            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {0, 0, kStream});
+          },
+          reps);
+      add({shape, "b: 16 rows base", "stream kernel, no delta", t, double(wbytes), t_cublas, "x cuBLAS 16 rows"});
+    }
+    for (const Form& f : forms) {
+      const auto [kernel, ks, stages] = f;
       if (kernel == kStream && !stream_runs) continue;
       const double t = time_us(
           [&](int s) {
             DeltaRef d[kVariants];
             for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v);
-            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {ks, 0, kernel});
+            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {ks, 0, kernel, stages});
           },
           reps);
-      add({shape, "b: 16 rows 16 variants", form_name(kernel, ks), t, bytes, roof, "x roofline"});
+      add({shape, "b: 16 rows 16 variants", form_name(f), t, bytes, roof, "x roofline"});
     }
     // The same 16 rows of one variant (a decode batch of one fine-tune), and of 8 variants with 2
     // adjacent rows each; slots chosen by the kernel, one per row, and one per variant and 4 rows.
     for (int nv : {1, 8}) {
       const double bytes1 = double(wbytes) + nv * (double(sbytes) + N * 4.0);
-      for (auto [kernel, ks] : forms) {
+      for (const Form& f : forms) {
+        const auto [kernel, ks, stages] = f;
         if (kernel == kStream && !stream_runs) continue;
         const double t = time_us(
             [&](int s) {
               DeltaRef d[kVariants];
               for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v * nv / kVariants);
-              bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {ks, 0, kernel});
+              bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {ks, 0, kernel, stages});
             },
             reps);
-        add({shape, nv == 1 ? "b: 16 rows 1 variant" : "b: 16 rows 8 variants x 2", form_name(kernel, ks), t,
+        add({shape, nv == 1 ? "b: 16 rows 1 variant" : "b: 16 rows 8 variants x 2", form_name(f), t,
              bytes1, t_cublas, "x cuBLAS 16 rows"});
       }
     }

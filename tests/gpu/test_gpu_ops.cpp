@@ -114,7 +114,8 @@ TEST_F(GpuOps, EmbeddingGatherAndRmsnormWithResidualAdd) {
 }
 
 // Rows of five sequences: four decode rows (positions 0, 1, 36 and 299) and a prefill run of 11
-// rows at positions 40..50 of the fifth, which the attention takes as tiles of 8 and 3 rows.
+// rows at positions 40..50 of the fifth, which the attention takes as tiles of 8 and 3 rows. The
+// four decode rows also go alone (tiles of one row: positions split over blocks, 3 splits at 299).
 TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
   for (const auto& [heads, kv_heads, head_dim] : {std::tuple{32, 8, 128}, std::tuple{4, 2, 48}, std::tuple{8, 8, 64}}) {
     SCOPED_TRACE(testing::Message() << heads << " heads, " << kv_heads << " kv heads, head_dim " << head_dim);
@@ -171,8 +172,15 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     const float scale = 1.0f / std::sqrt(float(head_dim));
     cuda::bias_rope_store(dq.p, dk.p, dv.p, q_dim, kv_dim, ddesc.p, rows, layer, layers, heads, kv_heads, head_dim,
                           hidden, dinv.p, nullptr);
-    cuda::attention(dq.p, q_dim, ddesc.p, dtiles.p, int(tiles.size()), cuda::kAttnTile, layer, layers, heads,
+    cuda::attention(dq.p, q_dim, ddesc.p, dtiles.p, int(tiles.size()), cuda::kAttnTile, 50, layer, layers, heads,
                     kv_heads, head_dim, scale, out.p, nullptr);
+    // The decode rows (the first 4, tiles 0–3 of one row each) alone, twice (the split counters
+    // must be back at zero after a launch).
+    const int n_decode = 4;
+    Buf<__nv_bfloat16> out_decode(size_t(n_decode) * q_dim);
+    for (int rep = 0; rep < 2; ++rep)
+      cuda::attention(dq.p, q_dim, ddesc.p, dtiles.p, n_decode, 1, 299, layer, layers, heads, kv_heads, head_dim,
+                      scale, out_decode.p, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
 
     // CPU, row by row: bias, rope, store (bf16-rounded, as the cache holds), attend over the float
@@ -211,6 +219,8 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
       EXPECT_EQ(to_f32(got), std::vector<float>(want, want + 2 * kv_dim)) << "k, v stored at row " << r;
     }
     check_close(to_f32(out.get()), want_out, 5e-3, "attention (bf16 out)");
+    check_close(to_f32(out_decode.get()), std::vector<float>(want_out.begin(), want_out.begin() + long(n_decode) * q_dim),
+                5e-3, "attention, decode rows split over blocks (bf16 out)");
   }
 }
 

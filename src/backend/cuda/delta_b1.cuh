@@ -3,6 +3,8 @@
 // mma.m16n8k256.and.popc of the sign bits (A) against x's 16 bit-planes (B), weighted per plane.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 namespace bitdelta::cuda {
@@ -43,5 +45,60 @@ __device__ __forceinline__ void delta_block(const uint4& a, const uint4& b, floa
 // A block is contiguous and 16-byte aligned: the streaming kernel copies it with one bulk copy.
 constexpr int kQuantizedPlanes = 256;  // offset of the bit-planes in a block
 __host__ __device__ __forceinline__ int quantized_x_block(int rows) { return kQuantizedPlanes + rows * 512; }
+
+// One warp quantizes row r of x in 256-column block kb into blk (that block of quantized_x_block
+// bytes): scale = max |x| / 32767, q = round(x / scale), and the bit-planes of q as the lanes' B
+// fragments. Lane ℓ holds columns 32·j + ℓ, so one ballot of bit p of q_j is word j of plane p; lane
+// (g, t)'s fragment is 4 words: planes g, g + 8 × words t, t + 4. Word w of every lane (w = planes
+// 8·(w / 2) + 0..7 × words 4·(w % 2) + 0..3) takes 32 ballots: this warp makes words [w0, w0 + kWords)
+// (the warps that make the other words load and scale the same 256 values), and, with w0 = 0, the
+// block's (scale, Σq).
+template <int kWords>
+__device__ __forceinline__ void quantize_row_block(const __nv_bfloat16* x, int K, int r, int kb, uint8_t* blk, int w0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const __nv_bfloat16* xr = x + size_t(r) * K + size_t(kb) * 256;
+  const int valid = min(256, K - kb * 256);
+  float v[8], m = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    v[j] = 32 * j + lane < valid ? __bfloat162float(xr[32 * j + lane]) : 0.0f;
+    m = fmaxf(m, fabsf(v[j]));
+  }
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float inv = m > 0.0f ? float(kQMax) / m : 0.0f;
+  int q[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) q[j] = max(-kQMax, min(kQMax, __float2int_rn(v[j] * inv)));
+  uint32_t f[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) {
+    const int w = w0 + i;
+    // Words 4·(w % 2) + jj of q, shifted so that plane 8·(w / 2) + pl is bit pl.
+    int qs[4];
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) qs[jj] = (w & 1 ? q[4 + jj] : q[jj]) >> (w & 2 ? 8 : 0);
+    f[i] = 0;
+#pragma unroll
+    for (int pl = 0; pl < 8; ++pl)
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const uint32_t word = __ballot_sync(0xffffffffu, (qs[jj] >> pl) & 1);
+        if (pl == g && jj == t) f[i] = word;
+      }
+  }
+  uint32_t* frag = reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes) + (r * 32 + lane) * 4;
+  if constexpr (kWords == 4)
+    *reinterpret_cast<uint4*>(frag) = make_uint4(f[0], f[1], f[2], f[3]);
+  else
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) frag[w0 + i] = f[i];
+  if (w0 == 0) {
+    int sum = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sum += q[j];
+    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) reinterpret_cast<float2*>(blk)[r] = make_float2(m / float(kQMax), float(sum));
+  }
+}
 
 }  // namespace bitdelta::cuda

@@ -651,7 +651,8 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   for (size_t j = 0; j < W; ++j) map[j] = int(want_sorted[j]);
   // Attention tiles: runs of rows of one sequence at consecutive positions, up to kAttnTile each.
   auto* tiles = reinterpret_cast<int2*>(map + R + (R & 1));  // 8-byte aligned
-  int n_tiles = 0, max_tile = 0;
+  int n_tiles = 0, max_tile = 0, max_position = 0;
+  for (size_t i = 0; i < R; ++i) max_position = std::max(max_position, int(desc[i].position));
   for (size_t i = 0; i < R;) {
     size_t e = i + 1;
     while (e < R && e - i < size_t(kAttnTile) && desc[e].kv == desc[i].kv &&
@@ -690,13 +691,13 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
     if (fused_linear(l, 0, m.h, H, m.q, qd + 2 * kvd)) {
       bias_rope_store(m.q, m.q + qd, m.q + qd + kvd, qd + 2 * kvd, qd + 2 * kvd, m.rows_dev, int(R), l, L, heads, kvh,
                       hd, H, m.inv_freq, s);
-      attention(m.q, qd + 2 * kvd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, l, L, heads, kvh, hd, scale, m.attn, s);
+      attention(m.q, qd + 2 * kvd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, L, heads, kvh, hd, scale, m.attn, s);
     } else {
       linear(l, kQ, m.h, H, m.q, qd);
       linear(l, kK, m.h, H, m.k, kvd);
       linear(l, kV, m.h, H, m.v, kvd);
       bias_rope_store(m.q, m.k, m.v, qd, kvd, m.rows_dev, int(R), l, L, heads, kvh, hd, H, m.inv_freq, s);
-      attention(m.q, qd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, l, L, heads, kvh, hd, scale, m.attn, s);
+      attention(m.q, qd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, L, heads, kvh, hd, scale, m.attn, s);
     }
     linear(l, kO, m.attn, qd, m.o, H);
     add_rmsnorm(m.x, m.o, m.rows_dev, nullptr, int(R), H, (2 * l + 1) * H,

@@ -1,6 +1,9 @@
 #include "ops.cuh"
 
+#include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <type_traits>
 
 #include "cuda_check.cuh"
@@ -33,47 +36,75 @@ __global__ void embed_kernel(const RowDesc* rows, int hidden, float* x) {
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) x[size_t(blockIdx.x) * hidden + i] = __bfloat162float(e[i]);
 }
 
+// One block per out row; each thread keeps its PER elements (i = threadIdx.x + k·blockDim.x) and
+// their norm weights in registers, all loaded before the sum of squares, so that the row costs one
+// round trip to memory (reading x again and the weights after the sum cost 7 µs per launch at batch
+// 1 on the 7B shape: ncu, run 59).
+template <int PER>
 __global__ void add_rmsnorm_kernel(float* x, const float* add, const RowDesc* rows, const int* row_map,
                                    int hidden, int norm_offset, int bias_offset, float eps, __nv_bfloat16* out) {
   const int s = row_map ? row_map[blockIdx.x] : int(blockIdx.x);
   float* xr = x + size_t(s) * hidden;
   const float* bias = bias_offset >= 0 && rows[s].bias ? rows[s].bias + bias_offset : nullptr;
-  float sum = 0;
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    float v = xr[i];
-    if (add) {
-      v += add[size_t(s) * hidden + i] + (bias ? bias[i] : 0.0f);
-      xr[i] = v;
-    }
-    sum += v * v;
+  const float* w = rows[s].norms + norm_offset;
+  float v[PER], wv[PER], sum = 0;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    v[k] = i < hidden ? xr[i] : 0.0f;
+    wv[k] = i < hidden ? w[i] : 0.0f;
+    if (add && i < hidden) v[k] += add[size_t(s) * hidden + i] + (bias ? bias[i] : 0.0f);
+  }
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (add && i < hidden) xr[i] = v[k];
+    sum += v[k] * v[k];
   }
   sum = block_sum(sum);
   const float inv = 1.0f / sqrtf(sum / float(hidden) + eps);
-  const float* w = rows[s].norms + norm_offset;
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-    out[size_t(blockIdx.x) * hidden + i] = __float2bfloat16(w[i] * (xr[i] * inv));
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < hidden) out[size_t(blockIdx.x) * hidden + i] = __float2bfloat16(wv[k] * (v[k] * inv));
+  }
 }
 
-__global__ void bias_rope_store_kernel(float* q, const float* k, const float* v, int q_stride, int kv_stride,
-                                       const RowDesc* rows, int layer,
-                                       int layers, int heads, int kv_heads, int head_dim, int hidden,
-                                       const float* inv_freq) {
+// Block (r, y): row r's items y·256 + threadIdx.x, y·256 + threadIdx.x + gridDim.y·256, ... of its
+// q pairs, k pairs and v elements. cos/sin are computed once per frequency and block (in double, as
+// the CPU does): one block per row computing them per pair took 12.4 µs per launch on the 7B shape
+// at batch 1 (ncu, run 59).
+constexpr int kRopeThreads = 256, kMaxHalf = 128;
+__global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q, const float* k, const float* v,
+                                                                       int q_stride, int kv_stride, const RowDesc* rows,
+                                                                       int layer, int layers, int heads, int kv_heads,
+                                                                       int head_dim, int hidden, const float* inv_freq) {
   const int r = blockIdx.x;
   const RowDesc row = rows[r];
   const int half = head_dim / 2, q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
+  __shared__ float cos_s[kMaxHalf], sin_s[kMaxHalf];
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    double sd, cd;
+    sincos(double(float(row.position) * inv_freq[i]), &sd, &cd);
+    cos_s[i] = float(cd), sin_s[i] = float(sd);
+  }
+  __syncthreads();
   const float* bias = row.bias ? row.bias + size_t(layer) * (q_dim + 2 * kv_dim + hidden) : nullptr;
   __nv_bfloat16* kv = row.kv + (size_t(row.position) * layers + layer) * 2 * kv_dim;
   float* qr = q + size_t(r) * q_stride;
   const float* kr = k + size_t(r) * kv_stride;
   const float* vr = v + size_t(r) * kv_stride;
-  const int q_pairs = heads * half, k_pairs = kv_heads * half;
-  for (int p = threadIdx.x; p < q_pairs + k_pairs; p += blockDim.x) {
+  const int q_pairs = heads * half, k_pairs = kv_heads * half, pairs = q_pairs + k_pairs;
+  for (int p = blockIdx.y * blockDim.x + threadIdx.x; p < pairs + kv_dim; p += gridDim.y * blockDim.x) {
+    if (p >= pairs) {
+      const int i = p - pairs;
+      kv[kv_dim + i] = __float2bfloat16(vr[i] + (bias ? bias[q_dim + kv_dim + i] : 0.0f));
+      continue;
+    }
     const bool is_q = p < q_pairs;
     const int pp = is_q ? p : p - q_pairs, head = pp / half, i = pp % half;
     const int ia = head * head_dim + i, ib = ia + half;
-    double sd, cd;
-    sincos(double(float(row.position) * inv_freq[i]), &sd, &cd);
-    const float c = float(cd), sn = float(sd);
+    const float c = cos_s[i], sn = sin_s[i];
     if (is_q) {
       float a = qr[ia], b = qr[ib];
       if (bias) a += bias[ia], b += bias[ib];
@@ -86,8 +117,6 @@ __global__ void bias_rope_store_kernel(float* q, const float* k, const float* v,
       kv[ib] = __float2bfloat16(b * c + a * sn);
     }
   }
-  for (int i = threadIdx.x; i < kv_dim; i += blockDim.x)
-    kv[kv_dim + i] = __float2bfloat16(vr[i] + (bias ? bias[q_dim + kv_dim + i] : 0.0f));
 }
 
 
@@ -231,6 +260,177 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
   }
 }
 
+// Decode rows (tiles of one row): the positions are split over blocks as well (flash decoding), so
+// that one row's heads fill the device: block (r, h, s) takes positions [s·kSplitLen, (s+1)·kSplitLen)
+// of row r's [0, position], a 32-position chunk per warp, as attention_kernel does. Blocks past the
+// row's last position exit. With one split the block writes the row's output; otherwise each writes
+// its (max, sum, unnormalized p·v) to part[r][h][s], and the last of the row's splits to arrive (a
+// counter per row and head, reset by it) merges them in split order. One block of 8 warps per (row,
+// head) took 24 µs per layer at batch 1 on the 7B shape (520 positions; ncu, run 59).
+constexpr int kSplitWarps = 4, kSplitLen = kSplitWarps * 32;
+template <int DPL>
+__global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const float* q, int q_stride,
+                                                                           const RowDesc* rows, int layer, int layers,
+                                                                           int heads, int kv_heads, int head_dim,
+                                                                           float scale, float* part, unsigned* arrived,
+                                                                           int max_splits, __nv_bfloat16* out) {
+  const int r = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const RowDesc row = rows[r];
+  const int p_last = row.position, splits = p_last / kSplitLen + 1;
+  if (sp >= splits) return;  // the whole block
+  const int kv_dim = kv_heads * head_dim, kvh = h / (heads / kv_heads);
+  const size_t stride = size_t(layers) * 2 * kv_dim;  // between positions
+  const __nv_bfloat16* kbase = row.kv + size_t(layer) * 2 * kv_dim + size_t(kvh) * head_dim;
+  const __nv_bfloat16* vbase = kbase + kv_dim;
+
+  __shared__ float q_s[DPL * 32];
+  __shared__ float p_s[kSplitWarps][32];
+  for (int d = threadIdx.x; d < DPL * 32; d += blockDim.x)
+    q_s[d] = d < head_dim ? q[size_t(r) * q_stride + size_t(h) * head_dim + d] * scale : 0.0f;
+  __syncthreads();
+
+  // This warp's chunk: scores (lane = position), its max and sum, then p·v (lane = dims lane + 32j).
+  const int c0 = sp * kSplitLen + warp * 32, t = c0 + lane;
+  float sc = -INFINITY;
+  if (t <= p_last) {
+    const __nv_bfloat16* kp = kbase + size_t(t) * stride;
+    float dot = 0.0f;
+#pragma unroll
+    for (int c8 = 0; c8 < DPL * 4; ++c8) {
+      const int d0 = c8 * 8;
+      if (d0 >= head_dim) break;
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(kp + d0));
+      const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __bfloat1622float2(k2[e]);
+        dot += q_s[d0 + 2 * e] * f.x + q_s[d0 + 2 * e + 1] * f.y;
+      }
+    }
+    sc = dot;
+  }
+  // p·v: lane ℓ holds dims DPL·ℓ .. DPL·ℓ + DPL − 1 (one load of 2·DPL bytes per position), the
+  // values of VB positions loaded at a time (all 32 but with DPL 8, 16: registers); the first VB are
+  // in flight during the softmax.
+  static_assert(DPL == 2 || DPL == 4 || DPL == 8);
+  using Raw = std::conditional_t<DPL == 2, uint32_t, std::conditional_t<DPL == 4, uint2, uint4>>;
+  const int count = min(32, p_last - c0 + 1);  // ≤ 0: no position in this chunk
+  const bool dims_valid = DPL * lane < head_dim;
+  constexpr int VB = DPL == 8 ? 16 : 32;
+  Raw vraw[VB];
+  const auto load_values = [&](int u0) {
+#pragma unroll
+    for (int e = 0; e < VB; ++e) {
+      const __nv_bfloat16* vp = vbase + size_t(c0 + max(0, min(u0 + e, count - 1))) * stride + DPL * lane;
+      vraw[e] = dims_valid && count > 0 ? __ldg(reinterpret_cast<const Raw*>(vp)) : Raw{};
+    }
+  };
+  load_values(0);
+  float m = sc;
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float pv = t <= p_last ? expf(sc - m) : 0.0f;  // m is finite when the chunk has a position
+  p_s[warp][lane] = pv;
+  const float l = warp_sum(pv);
+  __syncwarp();
+  float acc[DPL];
+#pragma unroll
+  for (int j = 0; j < DPL; ++j) acc[j] = 0.0f;
+  for (int u0 = 0; u0 < count; u0 += VB) {
+    if (u0 > 0) load_values(u0);
+#pragma unroll
+    for (int e = 0; e < VB; ++e) {
+      if (u0 + e >= count) break;
+      const float pu = p_s[warp][u0 + e];
+      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&vraw[e]);
+#pragma unroll
+      for (int j = 0; j < DPL / 2; ++j) {
+        const float2 f = __bfloat1622float2(v2[j]);
+        acc[2 * j] += pu * f.x;
+        acc[2 * j + 1] += pu * f.y;
+      }
+    }
+  }
+
+  // The block's warps merged: (M, L, Σ acc·e^(m − M)).
+  __shared__ float sm_m[kSplitWarps], sm_l[kSplitWarps], sm_acc[kSplitWarps][DPL * 32];
+  __shared__ bool last;
+  if (lane == 0) sm_m[warp] = count > 0 ? m : -INFINITY, sm_l[warp] = l;
+#pragma unroll
+  for (int j = 0; j < DPL; ++j) sm_acc[warp][DPL * lane + j] = acc[j];
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int w = 0; w < kSplitWarps; ++w) mx = fmaxf(mx, sm_m[w]);  // finite: warp 0 has position c0 ≤ p_last
+  float total = 0.0f;
+  for (int w = 0; w < kSplitWarps; ++w) total += sm_m[w] == -INFINITY ? 0.0f : sm_l[w] * expf(sm_m[w] - mx);
+  const auto merged = [&](int d) {
+    float sum = 0.0f;
+    for (int w = 0; w < kSplitWarps; ++w)
+      if (sm_m[w] != -INFINITY) sum += sm_acc[w][d] * expf(sm_m[w] - mx);
+    return sum;
+  };
+  __nv_bfloat16* o = out + (size_t(r) * heads + h) * head_dim;
+  if (splits == 1) {
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = __float2bfloat16(merged(d) / total);
+    return;
+  }
+  const int pitch = DPL * 32 + 2;  // floats per split: max, sum, then the dims
+  float* mine = part + ((size_t(r) * heads + h) * max_splits + sp) * pitch;
+  if (threadIdx.x == 0) mine[0] = mx, mine[1] = total;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) mine[2 + d] = merged(d);
+  __threadfence();  // each thread's part before the block's arrival
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* count_at = arrived + size_t(r) * heads + h;
+    last = atomicAdd(count_at, 1u) == unsigned(splits - 1);
+    if (last) *count_at = 0;  // for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const float* all = part + (size_t(r) * heads + h) * max_splits * pitch;
+  float gm = -INFINITY;
+  for (int i = 0; i < splits; ++i) gm = fmaxf(gm, __ldcg(all + size_t(i) * pitch));
+  float gl = 0.0f;
+  for (int i = 0; i < splits; ++i) gl += __ldcg(all + size_t(i) * pitch + 1) * expf(__ldcg(all + size_t(i) * pitch) - gm);
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float sum = 0.0f;
+    for (int i = 0; i < splits; ++i)
+      sum += __ldcg(all + size_t(i) * pitch + 2 + d) * expf(__ldcg(all + size_t(i) * pitch) - gm);
+    o[d] = __float2bfloat16(sum / gl);
+  }
+}
+
+// The split kernel's scratch per stream (partial results; counters zeroed when allocated), grown on
+// demand.
+struct SplitScratch {
+  float* part = nullptr;
+  size_t part_floats = 0;
+  unsigned* arrived = nullptr;
+  size_t counters = 0;
+};
+
+SplitScratch split_scratch(cudaStream_t stream, size_t part_floats, size_t counters) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, SplitScratch> scratch;
+  int dev = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard lock(mutex);
+  SplitScratch& s = scratch[{dev, stream}];
+  if (s.part_floats < part_floats || s.counters < counters) {
+    if (s.part) {
+      BITDELTA_CUDA_CHECK(cudaStreamSynchronize(stream));
+      BITDELTA_CUDA_CHECK(cudaFree(s.part));
+      BITDELTA_CUDA_CHECK(cudaFree(s.arrived));
+    }
+    s.part_floats = std::max(part_floats, s.part_floats * 2);
+    s.counters = std::max(counters, s.counters * 2);
+    BITDELTA_CUDA_CHECK(cudaMalloc(&s.part, s.part_floats * sizeof(float)));
+    BITDELTA_CUDA_CHECK(cudaMalloc(&s.arrived, s.counters * sizeof(unsigned)));
+    BITDELTA_CUDA_CHECK(cudaMemsetAsync(s.arrived, 0, s.counters * sizeof(unsigned), stream));
+  }
+  return s;
+}
+
 __global__ void swiglu_kernel(const float* gate, const float* up, int stride, int n, __nv_bfloat16* out) {
   const size_t r = blockIdx.y;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -250,8 +450,14 @@ void embed_rows(const RowDesc* rows, int n_rows, int hidden, float* x, cudaStrea
 void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row_map, int n_out, int hidden,
                  int norm_offset, int bias_offset, float eps, __nv_bfloat16* out, cudaStream_t stream) {
   if (n_out == 0) return;
-  add_rmsnorm_kernel<<<n_out, hidden >= 2048 ? 512 : 256, 0, stream>>>(x, add, rows, row_map, hidden, norm_offset,
-                                                                        bias_offset, eps, out);
+  // 8 elements per thread up to 8192 (1024 threads), then 32 (hidden ≤ 32768).
+  const int threads = std::max(64, std::min(1024, (hidden + 8 * 32 - 1) / (8 * 32) * 32));
+  if (hidden <= 8 * threads)
+    add_rmsnorm_kernel<8><<<n_out, threads, 0, stream>>>(x, add, rows, row_map, hidden, norm_offset, bias_offset, eps, out);
+  else if (hidden <= 32 * 1024)
+    add_rmsnorm_kernel<32><<<n_out, 1024, 0, stream>>>(x, add, rows, row_map, hidden, norm_offset, bias_offset, eps, out);
+  else
+    fail("cuda::add_rmsnorm: hidden ", hidden, " (at most 32768)");
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
@@ -259,18 +465,43 @@ void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int
                      int n_rows, int layer, int layers, int heads, int kv_heads, int head_dim, int hidden,
                      const float* inv_freq, cudaStream_t stream) {
   if (n_rows == 0) return;
-  bias_rope_store_kernel<<<n_rows, 256, 0, stream>>>(q, k, v, q_stride, kv_stride, rows, layer, layers, heads, kv_heads, head_dim,
-                                                     hidden, inv_freq);
+  if (head_dim % 2 || head_dim / 2 > kMaxHalf)
+    fail("cuda::bias_rope_store: head_dim ", head_dim, " (even, at most ", 2 * kMaxHalf, ")");
+  const int items = (heads + kv_heads) * head_dim / 2 + kv_heads * head_dim;
+  const dim3 grid{unsigned(n_rows), unsigned(std::min((items + kRopeThreads - 1) / kRopeThreads, 32))};
+  bias_rope_store_kernel<<<grid, kRopeThreads, 0, stream>>>(q, k, v, q_stride, kv_stride, rows, layer, layers, heads,
+                                                            kv_heads, head_dim, hidden, inv_freq);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
 void attention(const float* q, int q_stride, const RowDesc* rows, const int2* tiles, int n_tiles, int max_tile,
-               int layer, int layers, int heads, int kv_heads, int head_dim, float scale, __nv_bfloat16* out,
-               cudaStream_t stream) {
+               int max_position, int layer, int layers, int heads, int kv_heads, int head_dim, float scale,
+               __nv_bfloat16* out, cudaStream_t stream) {
   if (n_tiles == 0) return;
   if (head_dim % 8 || head_dim > 256) fail("cuda::attention: head_dim ", head_dim, " (a multiple of 8, at most 256)");
-  const dim3 grid{unsigned(n_tiles), unsigned(heads)};
   const int dpl = (head_dim + 31) / 32;
+  if (max_tile <= 1 && (dpl == 2 || dpl == 4 || dpl == 8)) {  // decode rows only: tile i is row i
+    const int max_splits = max_position / kSplitLen + 1;
+    SplitScratch sc{};
+    if (max_splits > 1)
+      sc = split_scratch(stream, size_t(n_tiles) * heads * max_splits * (dpl * 32 + 2), size_t(n_tiles) * heads);
+    const dim3 grid{unsigned(n_tiles), unsigned(heads), unsigned(max_splits)};
+    switch (dpl) {
+#define BITDELTA_SPLIT_CASE(D)                                                                                   \
+  case D:                                                                                                        \
+    attention_split_kernel<D><<<grid, kSplitWarps * 32, 0, stream>>>(q, q_stride, rows, layer, layers, heads,    \
+                                                                     kv_heads, head_dim, scale, sc.part,         \
+                                                                     sc.arrived, max_splits, out);               \
+    break;
+      BITDELTA_SPLIT_CASE(2)
+      BITDELTA_SPLIT_CASE(4)
+      BITDELTA_SPLIT_CASE(8)
+#undef BITDELTA_SPLIT_CASE
+    }
+    BITDELTA_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const dim3 grid{unsigned(n_tiles), unsigned(heads)};
   auto go = [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     switch (dpl) {
@@ -290,10 +521,7 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
 #undef BITDELTA_ATTN_CASE
     }
   };
-  if (max_tile <= 1)
-    go(std::integral_constant<int, 1>{});
-  else
-    go(std::integral_constant<int, kAttnTile>{});
+  go(std::integral_constant<int, kAttnTile>{});
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 

@@ -49,10 +49,12 @@ constexpr int kAttnTile = 8;
 // belong to one sequence, at consecutive positions): out[r][head] = softmax(q·kᵀ·scale)·v over
 // positions [0, position_r] of the row's cache at `layer`, grouped-query (head → kv head
 // head / (heads / kv_heads)). Online softmax in float32. Row r of q starts at q + r·q_stride; out is
-// [rows, heads·head_dim]. max_tile: the largest tile's row count. head_dim: a multiple of 8, ≤ 256.
+// [rows, heads·head_dim]. max_tile: the largest tile's row count; with 1 (decode rows only, tile i
+// being row i) the positions are also split over thread blocks. max_position: the largest row
+// position. head_dim: a multiple of 8, ≤ 256.
 void attention(const float* q, int q_stride, const RowDesc* rows, const int2* tiles, int n_tiles, int max_tile,
-               int layer, int layers, int heads, int kv_heads, int head_dim, float scale, __nv_bfloat16* out,
-               cudaStream_t stream);
+               int max_position, int layer, int layers, int heads, int kv_heads, int head_dim, float scale,
+               __nv_bfloat16* out, cudaStream_t stream);
 
 // out[r][i] = bf16(silu(gate[r·stride + i]) ⊙ up[r·stride + i]) for i < n; out is [rows, n].
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,
