@@ -128,7 +128,9 @@ __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q,
 // lane per DPL dims accumulates p·v over the chunk's positions. The warps' partial results are merged
 // at the end. head_dim must be a multiple of 8 (16-byte key loads). kAttnWarps warps per block: 8 for
 // single rows (a decode row's positions spread over more warps), 4 for tiles of 8 (on the 7B shape
-// 8 warps and an unrolled key loop for tiles too made 512-token prefill 10% slower).
+// 8 warps and an unrolled key loop for tiles too made 512-token prefill 10% slower). Steps of decode
+// rows alone go to attention_split_kernel where it applies; a decode row in a step with a prefill
+// chunk comes here as a tile of one.
 template <int QT, int DPL, int kAttnWarps = QT == 1 ? 8 : 4>
 __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float* q, int q_stride, const RowDesc* rows,
                                                                     const int2* tiles, int layer, int layers,
@@ -261,20 +263,36 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
 }
 
 // Decode rows (tiles of one row): the positions are split over blocks as well (flash decoding), so
-// that one row's heads fill the device: block (r, h, s) takes positions [s·kSplitLen, (s+1)·kSplitLen)
-// of row r's [0, position], a 32-position chunk per warp, as attention_kernel does. Blocks past the
-// row's last position exit. With one split the block writes the row's output; otherwise each writes
-// its (max, sum, unnormalized p·v) to part[r][h][s], and the last of the row's splits to arrive (a
-// counter per row and head, reset by it) merges them in split order. One block of 8 warps per (row,
-// head) took 24 µs per layer at batch 1 on the 7B shape (520 positions; ncu, run 59).
+// that one row's heads fill the device. Block (h, r, s) takes positions [s·kSplitLen, (s+1)·kSplitLen)
+// of row r's [0, position], 32 per warp; its lanes hold dims, so that each key and value row is one
+// coalesced load, and the scores are put back one per lane by a transposing warp sum. Blocks past
+// the row's last position exit. With one split the block writes the row's output; otherwise each
+// writes its (max, sum, unnormalized p·v) to part[r][h][s], and the last of the row's splits to
+// arrive (a counter per row and head, reset by it) merges them in split order. On the 7B shape at 520
+// positions (ncu): one block of 8 warps per (row, head), a lane per position, took 24 µs per layer
+// at batch 1 (run 59); this kernel 9.8 µs (run 64). At batch 32 both take 103–109 µs, 0.6 of the
+// copy rate.
 constexpr int kSplitWarps = 4, kSplitLen = kSplitWarps * 32;
+
+// One step of a transposing warp sum: lanes with bit W set keep the upper W of their first 2·W
+// values, the others the lower W, each adding its partner's (lane ^ W) share (a constant W per
+// instance, so that d stays in registers).
+template <int W>
+__device__ __forceinline__ void transpose_sum(float (&d)[32], int lane) {
+  const bool upper = lane & W;
+#pragma unroll
+  for (int k = 0; k < W; ++k) {
+    const float send = upper ? d[k] : d[k + W], keep = upper ? d[k + W] : d[k];
+    d[k] = keep + __shfl_xor_sync(0xffffffffu, send, W);
+  }
+}
 template <int DPL>
 __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const float* q, int q_stride,
                                                                            const RowDesc* rows, int layer, int layers,
                                                                            int heads, int kv_heads, int head_dim,
                                                                            float scale, float* part, unsigned* arrived,
                                                                            int max_splits, __nv_bfloat16* out) {
-  const int r = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int h = blockIdx.x, r = blockIdx.y, sp = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const RowDesc row = rows[r];
   const int p_last = row.position, splits = p_last / kSplitLen + 1;
   if (sp >= splits) return;  // the whole block
@@ -283,52 +301,58 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
   const __nv_bfloat16* kbase = row.kv + size_t(layer) * 2 * kv_dim + size_t(kvh) * head_dim;
   const __nv_bfloat16* vbase = kbase + kv_dim;
 
-  __shared__ float q_s[DPL * 32];
-  __shared__ float p_s[kSplitWarps][32];
-  for (int d = threadIdx.x; d < DPL * 32; d += blockDim.x)
-    q_s[d] = d < head_dim ? q[size_t(r) * q_stride + size_t(h) * head_dim + d] * scale : 0.0f;
-  __syncthreads();
-
-  // This warp's chunk: scores (lane = position), its max and sum, then p·v (lane = dims lane + 32j).
-  const int c0 = sp * kSplitLen + warp * 32, t = c0 + lane;
-  float sc = -INFINITY;
-  if (t <= p_last) {
-    const __nv_bfloat16* kp = kbase + size_t(t) * stride;
-    float dot = 0.0f;
-#pragma unroll
-    for (int c8 = 0; c8 < DPL * 4; ++c8) {
-      const int d0 = c8 * 8;
-      if (d0 >= head_dim) break;
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(kp + d0));
-      const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = __bfloat1622float2(k2[e]);
-        dot += q_s[d0 + 2 * e] * f.x + q_s[d0 + 2 * e + 1] * f.y;
-      }
-    }
-    sc = dot;
-  }
-  // p·v: lane ℓ holds dims DPL·ℓ .. DPL·ℓ + DPL − 1 (one load of 2·DPL bytes per position), the
-  // values of VB positions loaded at a time (all 32 but with DPL 8, 16: registers); the first VB are
-  // in flight during the softmax.
+  // Lane ℓ holds dims DPL·ℓ .. DPL·ℓ + DPL − 1 of q (scaled), and of each key and value it reads: one
+  // coalesced load of 2·DPL bytes per position (a key or value row in one instruction of the warp).
   static_assert(DPL == 2 || DPL == 4 || DPL == 8);
   using Raw = std::conditional_t<DPL == 2, uint32_t, std::conditional_t<DPL == 4, uint2, uint4>>;
-  const int count = min(32, p_last - c0 + 1);  // ≤ 0: no position in this chunk
   const bool dims_valid = DPL * lane < head_dim;
+  float qv[DPL];
+#pragma unroll
+  for (int j = 0; j < DPL; ++j)
+    qv[j] = dims_valid ? q[size_t(r) * q_stride + size_t(h) * head_dim + DPL * lane + j] * scale : 0.0f;
+  __shared__ float p_s[kSplitWarps][32];
+
+  // This warp's chunk of 32 positions (count of them valid; ≤ 0: none). The keys and the first VB
+  // values (all 32 but with DPL 8: registers) are loaded before any is used.
+  const int c0 = sp * kSplitLen + warp * 32;
+  const int count = min(32, p_last - c0 + 1);
+  const auto at = [&](const __nv_bfloat16* base, int e) {
+    return reinterpret_cast<const Raw*>(base + size_t(c0 + max(0, min(e, count - 1))) * stride + DPL * lane);
+  };
   constexpr int VB = DPL == 8 ? 16 : 32;
-  Raw vraw[VB];
+  Raw kraw[32], vraw[VB];
+#pragma unroll
+  for (int e = 0; e < 32; ++e) kraw[e] = dims_valid && count > 0 ? __ldg(at(kbase, e)) : Raw{};
   const auto load_values = [&](int u0) {
 #pragma unroll
-    for (int e = 0; e < VB; ++e) {
-      const __nv_bfloat16* vp = vbase + size_t(c0 + max(0, min(u0 + e, count - 1))) * stride + DPL * lane;
-      vraw[e] = dims_valid && count > 0 ? __ldg(reinterpret_cast<const Raw*>(vp)) : Raw{};
-    }
+    for (int e = 0; e < VB; ++e) vraw[e] = dims_valid && count > 0 ? __ldg(at(vbase, u0 + e)) : Raw{};
   };
   load_values(0);
+  // Partial dot products over this lane's dims, then a transposing reduction: at step w, the lanes
+  // with bit w set keep the upper half of their positions and the others the lower half, each adding
+  // its partner's (lane ^ w) share; after 16 + 8 + 4 + 2 + 1 shuffles lane t holds position t's score.
+  float dots[32];
+#pragma unroll
+  for (int e = 0; e < 32; ++e) {
+    const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&kraw[e]);
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DPL / 2; ++j) {
+      const float2 f = __bfloat1622float2(k2[j]);
+      dot += qv[2 * j] * f.x + qv[2 * j + 1] * f.y;
+    }
+    dots[e] = dot;
+  }
+  transpose_sum<16>(dots, lane);
+  transpose_sum<8>(dots, lane);
+  transpose_sum<4>(dots, lane);
+  transpose_sum<2>(dots, lane);
+  transpose_sum<1>(dots, lane);
+  const bool valid = lane < count;
+  const float sc = valid ? dots[0] : -INFINITY;
   float m = sc;
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const float pv = t <= p_last ? expf(sc - m) : 0.0f;  // m is finite when the chunk has a position
+  const float pv = valid ? expf(sc - m) : 0.0f;  // m is finite when the chunk has a position
   p_s[warp][lane] = pv;
   const float l = warp_sum(pv);
   __syncwarp();
@@ -480,12 +504,17 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
   if (n_tiles == 0) return;
   if (head_dim % 8 || head_dim > 256) fail("cuda::attention: head_dim ", head_dim, " (a multiple of 8, at most 256)");
   const int dpl = (head_dim + 31) / 32;
-  if (max_tile <= 1 && (dpl == 2 || dpl == 4 || dpl == 8)) {  // decode rows only: tile i is row i
+  // Decode rows only (tile i is row i), at most 65535 (the grid's y), with 2, 4 or 8 dims per lane
+  // (head_dim 40–64, 104–128 or 232–256) go to the split kernel.
+  if (max_tile <= 1 && n_tiles <= 65535 && (dpl == 2 || dpl == 4 || dpl == 8)) {
     const int max_splits = max_position / kSplitLen + 1;
     SplitScratch sc{};
     if (max_splits > 1)
       sc = split_scratch(stream, size_t(n_tiles) * heads * max_splits * (dpl * 32 + 2), size_t(n_tiles) * heads);
-    const dim3 grid{unsigned(n_tiles), unsigned(heads), unsigned(max_splits)};
+    // Heads vary fastest, so that the blocks that run together read neighbouring pieces of the same
+    // positions' rows. It measured the same as rows fastest: 103.5 against 103.0 µs per layer at
+    // batch 32 on the 7B shape (ncu, runs 64–65).
+    const dim3 grid{unsigned(heads), unsigned(n_tiles), unsigned(max_splits)};
     switch (dpl) {
 #define BITDELTA_SPLIT_CASE(D)                                                                                   \
   case D:                                                                                                        \
