@@ -8,6 +8,7 @@
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
 #include "fused_linear_stream.cuh"
+#include "stream_scratch.cuh"
 
 namespace bitdelta::cuda {
 namespace {
@@ -419,43 +420,21 @@ __global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KB, size
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// What a launch keeps per device: whether it may start early (programmatic dependent launch needs
-// sm_90; the portable build runs elsewhere without it) and, per stream, the scratch for the quantized
-// rows of x, grown on demand and kept: calls on one stream reuse it in stream order.
-struct DeviceState {
-  bool dependent_launch = false;
-  struct Buffer {
-    void* ptr = nullptr;
-    size_t bytes = 0;
-  };
-  std::map<cudaStream_t, Buffer> scratch;
-};
-
-// The current device's state and, when bytes > 0, a scratch buffer of at least that size on stream.
-std::pair<bool, void*> device_state(cudaStream_t stream, size_t bytes) {
+// Whether a launch on the current device may start early: programmatic dependent launch needs sm_90
+// (the portable build runs elsewhere without it).
+bool dependent_launch_supported() {
   static std::mutex mutex;
-  static std::map<int, DeviceState> states;
+  static std::map<int, bool> supported;
   int dev = 0;
   BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard lock(mutex);
-  auto [it, fresh] = states.try_emplace(dev);
-  DeviceState& d = it->second;
+  auto [it, fresh] = supported.try_emplace(dev, false);
   if (fresh) {
     int major = 0;
     BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    d.dependent_launch = major >= 9;
+    it->second = major >= 9;
   }
-  if (bytes == 0) return {d.dependent_launch, nullptr};
-  DeviceState::Buffer& b = d.scratch[stream];
-  if (b.bytes < bytes) {
-    if (b.ptr) {
-      BITDELTA_CUDA_CHECK(cudaStreamSynchronize(stream));
-      BITDELTA_CUDA_CHECK(cudaFree(b.ptr));
-    }
-    b.bytes = std::max(bytes, size_t(1) << 20);
-    BITDELTA_CUDA_CHECK(cudaMalloc(&b.ptr, b.bytes));
-  }
-  return {d.dependent_launch, b.ptr};
+  return it->second;
 }
 
 }  // namespace
@@ -546,9 +525,11 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   p.nslots = grouped ? ngroup : nrow;
   if (!streaming)
     for (int s = 0; s < p.nslots; ++s) p.slots[s] = grouped ? by_group[s] : by_row[s];
-  // The rows of x quantized for the delta term go to a scratch buffer of this stream.
+  // The rows of x quantized for the delta term go to a scratch buffer of this stream (calls on one
+  // stream reuse it in stream order).
   p.xq_block = quantized_x_block(rows);
-  const auto [dependent_launch, scratch] = device_state(stream, p.nslots ? size_t(p.KB) * p.xq_block : 0);
+  const bool dependent_launch = dependent_launch_supported();
+  void* scratch = p.nslots ? stream_scratch(ScratchUse::kQuantizedX, stream, size_t(p.KB) * p.xq_block) : nullptr;
   if (p.nslots) {
     p.xq = static_cast<const uint8_t*>(scratch);
     const int warps = rows * p.KB * kPrepWarpsPerItem;

@@ -9,6 +9,7 @@
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
 #include "packed_signs.h"
+#include "stream_scratch.cuh"
 #include "tma.cuh"
 
 namespace bitdelta::cuda {
@@ -303,26 +304,18 @@ constexpr KernelFn kKernels[3][7] = {
      stream_kernel<32, 16>, stream_kernel<32, 32>}};
 int nd_index(int nd) { return nd <= 2 ? nd : nd <= 4 ? 3 : nd <= 8 ? 4 : nd <= 16 ? 5 : 6; }
 
-// Per device: whether the kernel runs there, its shared-memory limit (opted in once), and per stream
-// the split parts' scratch (partial sums and the tiles' counters, zero between launches).
+// Per device: whether the kernel runs there and its shared-memory limit (opted in once).
 struct DeviceInfo {
   bool runs = false;
   int sms = 0, smem_optin = 0;
-  struct Scratch {
-    float* parts = nullptr;
-    size_t part_floats = 0;
-    unsigned* arrived = nullptr;
-    size_t tiles = 0;
-  };
-  std::map<cudaStream_t, Scratch> scratch;
 };
 
-std::mutex device_mutex;
-
-DeviceInfo& device_info_locked() {
+const DeviceInfo& device_info() {
+  static std::mutex mutex;
   static std::map<int, DeviceInfo> infos;
   int dev = 0;
   BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard lock(mutex);
   auto [it, fresh] = infos.try_emplace(dev);
   if (fresh) {
     cudaDeviceProp prop{};
@@ -339,30 +332,6 @@ DeviceInfo& device_info_locked() {
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, d.smem_optin));
   }
   return it->second;
-}
-
-const DeviceInfo& device_info() {
-  std::lock_guard lock(device_mutex);
-  return device_info_locked();
-}
-
-// The split scratch of this stream, grown on demand (counters zeroed on the stream when new).
-DeviceInfo::Scratch split_scratch(cudaStream_t stream, size_t part_floats, size_t tiles) {
-  std::lock_guard lock(device_mutex);
-  DeviceInfo::Scratch& s = device_info_locked().scratch[stream];
-  if (s.part_floats < part_floats || s.tiles < tiles) {
-    if (s.parts) {
-      BITDELTA_CUDA_CHECK(cudaStreamSynchronize(stream));
-      BITDELTA_CUDA_CHECK(cudaFree(s.parts));
-      BITDELTA_CUDA_CHECK(cudaFree(s.arrived));
-    }
-    s.part_floats = std::max(part_floats, size_t(1) << 18);
-    s.tiles = std::max(tiles, size_t(1024));
-    BITDELTA_CUDA_CHECK(cudaMalloc(&s.parts, s.part_floats * sizeof(float)));
-    BITDELTA_CUDA_CHECK(cudaMalloc(&s.arrived, s.tiles * sizeof(unsigned)));
-    BITDELTA_CUDA_CHECK(cudaMemsetAsync(s.arrived, 0, s.tiles * sizeof(unsigned), stream));
-  }
-  return s;
 }
 
 // Tensor maps depend only on the pointer, the shape and the box: weights, deltas and the engine's
@@ -480,11 +449,12 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
     p.ks = choose_split(tiles - p.whole, p.KB, info.sms);
   }
   p.units = p.whole + (tiles - p.whole) * p.ks;
-  if (p.ks > 1) {
+  if (p.ks > 1) {  // the split tiles' parts, and their counters (zero between launches)
     const size_t split_tiles = size_t(tiles - p.whole);
-    const DeviceInfo::Scratch sc = split_scratch(stream, split_tiles * p.ks * BN * kBM, split_tiles);
-    p.parts = sc.parts;
-    p.arrived = sc.arrived;
+    p.parts = static_cast<float*>(
+        stream_scratch(ScratchUse::kStreamParts, stream, split_tiles * p.ks * BN * kBM * sizeof(float)));
+    p.arrived = static_cast<unsigned*>(
+        stream_scratch(ScratchUse::kStreamCounters, stream, split_tiles * sizeof(unsigned), true));
   }
   const int smem = 1024 + p.stages * p.stage_bytes + kBM * BN * 4 + 16 * p.stages + 16;
 

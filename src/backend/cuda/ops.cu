@@ -2,11 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
-#include <mutex>
 #include <type_traits>
 
 #include "cuda_check.cuh"
+#include "stream_scratch.cuh"
 
 namespace bitdelta::cuda {
 
@@ -424,37 +423,6 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
   }
 }
 
-// The split kernel's scratch per stream (partial results; counters zeroed when allocated), grown on
-// demand.
-struct SplitScratch {
-  float* part = nullptr;
-  size_t part_floats = 0;
-  unsigned* arrived = nullptr;
-  size_t counters = 0;
-};
-
-SplitScratch split_scratch(cudaStream_t stream, size_t part_floats, size_t counters) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, SplitScratch> scratch;
-  int dev = 0;
-  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard lock(mutex);
-  SplitScratch& s = scratch[{dev, stream}];
-  if (s.part_floats < part_floats || s.counters < counters) {
-    if (s.part) {
-      BITDELTA_CUDA_CHECK(cudaStreamSynchronize(stream));
-      BITDELTA_CUDA_CHECK(cudaFree(s.part));
-      BITDELTA_CUDA_CHECK(cudaFree(s.arrived));
-    }
-    s.part_floats = std::max(part_floats, s.part_floats * 2);
-    s.counters = std::max(counters, s.counters * 2);
-    BITDELTA_CUDA_CHECK(cudaMalloc(&s.part, s.part_floats * sizeof(float)));
-    BITDELTA_CUDA_CHECK(cudaMalloc(&s.arrived, s.counters * sizeof(unsigned)));
-    BITDELTA_CUDA_CHECK(cudaMemsetAsync(s.arrived, 0, s.counters * sizeof(unsigned), stream));
-  }
-  return s;
-}
-
 __global__ void swiglu_kernel(const float* gate, const float* up, int stride, int n, __nv_bfloat16* out) {
   const size_t r = blockIdx.y;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -508,9 +476,14 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
   // (head_dim 40–64, 104–128 or 232–256) go to the split kernel.
   if (max_tile <= 1 && n_tiles <= 65535 && (dpl == 2 || dpl == 4 || dpl == 8)) {
     const int max_splits = max_position / kSplitLen + 1;
-    SplitScratch sc{};
-    if (max_splits > 1)
-      sc = split_scratch(stream, size_t(n_tiles) * heads * max_splits * (dpl * 32 + 2), size_t(n_tiles) * heads);
+    float* part = nullptr;  // the splits' parts, and a counter per row and head (zero between launches)
+    unsigned* arrived = nullptr;
+    if (max_splits > 1) {
+      part = static_cast<float*>(stream_scratch(
+          ScratchUse::kAttentionParts, stream, size_t(n_tiles) * heads * max_splits * (dpl * 32 + 2) * sizeof(float)));
+      arrived = static_cast<unsigned*>(
+          stream_scratch(ScratchUse::kAttentionCounters, stream, size_t(n_tiles) * heads * sizeof(unsigned), true));
+    }
     // Heads vary fastest, so that the blocks that run together read neighbouring pieces of the same
     // positions' rows. It measured the same as rows fastest: 103.5 against 103.0 µs per layer at
     // batch 32 on the 7B shape (ncu, runs 64–65).
@@ -519,8 +492,8 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
 #define BITDELTA_SPLIT_CASE(D)                                                                                   \
   case D:                                                                                                        \
     attention_split_kernel<D><<<grid, kSplitWarps * 32, 0, stream>>>(q, q_stride, rows, layer, layers, heads,    \
-                                                                     kv_heads, head_dim, scale, sc.part,         \
-                                                                     sc.arrived, max_splits, out);               \
+                                                                     kv_heads, head_dim, scale, part, arrived,   \
+                                                                     max_splits, out);                           \
     break;
       BITDELTA_SPLIT_CASE(2)
       BITDELTA_SPLIT_CASE(4)
