@@ -117,7 +117,9 @@ TEST_F(GpuOps, EmbeddingGatherAndRmsnormWithResidualAdd) {
 // rows at positions 40..50 of the fifth, which the attention takes as tiles of 8 and 3 rows. The
 // four decode rows also go alone (tiles of one row: positions split over blocks, 3 splits at 299).
 TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
-  for (const auto& [heads, kv_heads, head_dim] : {std::tuple{32, 8, 128}, std::tuple{4, 2, 48}, std::tuple{8, 8, 64}}) {
+  // head_dim 96 (3 dims per lane): decode rows alone take the one-row tile kernel, not the split one.
+  for (const auto& [heads, kv_heads, head_dim] :
+       {std::tuple{32, 8, 128}, std::tuple{4, 2, 48}, std::tuple{8, 8, 64}, std::tuple{4, 4, 96}}) {
     SCOPED_TRACE(testing::Message() << heads << " heads, " << kv_heads << " kv heads, head_dim " << head_dim);
     const int layers = 3, layer = 1, hidden = 64;
     const int q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;

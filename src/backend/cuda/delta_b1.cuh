@@ -46,15 +46,14 @@ __device__ __forceinline__ void delta_block(const uint4& a, const uint4& b, floa
 constexpr int kQuantizedPlanes = 256;  // offset of the bit-planes in a block
 __host__ __device__ __forceinline__ int quantized_x_block(int rows) { return kQuantizedPlanes + rows * 512; }
 
-// One warp quantizes row r of x in 256-column block kb into blk (that block of quantized_x_block
-// bytes): scale = max |x| / 32767, q = round(x / scale), and the bit-planes of q as the lanes' B
-// fragments. Lane ℓ holds columns 32·j + ℓ, so one ballot of bit p of q_j is word j of plane p; lane
-// (g, t)'s fragment is 4 words: planes g, g + 8 × words t, t + 4. Word w of every lane (w = planes
-// 8·(w / 2) + 0..7 × words 4·(w % 2) + 0..3) takes 32 ballots: this warp makes words [w0, w0 + kWords)
-// (the warps that make the other words load and scale the same 256 values), and, with w0 = 0, the
+// Row r of x in 256-column block kb, quantized into blk (that block of quantized_x_block bytes):
+// scale = max |x| / 32767, q = round(x / scale), and the bit-planes of q as the lanes' B fragments.
+// Lane ℓ holds columns 32·j + ℓ, so one ballot of bit p of q_j is word j of plane p; lane (g, t)'s
+// fragment is 4 words: planes g, g + 8 × words t, t + 4. The calling warp makes word w (0..3) of
+// every lane's fragment (planes 8·(w / 2) + 0..7 × words 4·(w % 2) + 0..3: 32 ballots), so four
+// warps make a fragment, each loading and scaling the same 256 values; with w = 0 it also stores the
 // block's (scale, Σq).
-template <int kWords>
-__device__ __forceinline__ void quantize_row_block(const __nv_bfloat16* x, int K, int r, int kb, uint8_t* blk, int w0) {
+__device__ __forceinline__ void quantize_row_block(const __nv_bfloat16* x, int K, int r, int kb, uint8_t* blk, int w) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const __nv_bfloat16* xr = x + size_t(r) * K + size_t(kb) * 256;
   const int valid = min(256, K - kb * 256);
@@ -69,30 +68,20 @@ __device__ __forceinline__ void quantize_row_block(const __nv_bfloat16* x, int K
   int q[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) q[j] = max(-kQMax, min(kQMax, __float2int_rn(v[j] * inv)));
-  uint32_t f[kWords];
+  // Words 4·(w % 2) + jj of q, shifted so that plane 8·(w / 2) + pl is bit pl.
+  int qs[4];
 #pragma unroll
-  for (int i = 0; i < kWords; ++i) {
-    const int w = w0 + i;
-    // Words 4·(w % 2) + jj of q, shifted so that plane 8·(w / 2) + pl is bit pl.
-    int qs[4];
+  for (int jj = 0; jj < 4; ++jj) qs[jj] = (w & 1 ? q[4 + jj] : q[jj]) >> (w & 2 ? 8 : 0);
+  uint32_t f = 0;
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) qs[jj] = (w & 1 ? q[4 + jj] : q[jj]) >> (w & 2 ? 8 : 0);
-    f[i] = 0;
+  for (int pl = 0; pl < 8; ++pl)
 #pragma unroll
-    for (int pl = 0; pl < 8; ++pl)
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        const uint32_t word = __ballot_sync(0xffffffffu, (qs[jj] >> pl) & 1);
-        if (pl == g && jj == t) f[i] = word;
-      }
-  }
-  uint32_t* frag = reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes) + (r * 32 + lane) * 4;
-  if constexpr (kWords == 4)
-    *reinterpret_cast<uint4*>(frag) = make_uint4(f[0], f[1], f[2], f[3]);
-  else
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) frag[w0 + i] = f[i];
-  if (w0 == 0) {
+    for (int jj = 0; jj < 4; ++jj) {
+      const uint32_t word = __ballot_sync(0xffffffffu, (qs[jj] >> pl) & 1);
+      if (pl == g && jj == t) f = word;
+    }
+  reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes)[(r * 32 + lane) * 4 + w] = f;
+  if (w == 0) {
     int sum = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) sum += q[j];

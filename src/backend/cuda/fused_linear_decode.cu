@@ -408,7 +408,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) prepare_x_kernel(const __nv_b
   const int item = warp / kPrepWarpsPerItem;
   if (item >= rows * KB) return;  // whole warps
   const int r = item % rows, kb = item / rows;
-  quantize_row_block<1>(x, K, r, kb, xq + size_t(kb) * xq_block, warp % kPrepWarpsPerItem);
+  quantize_row_block(x, K, r, kb, xq + size_t(kb) * xq_block, warp % kPrepWarpsPerItem);
 }
 
 __global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KB, size_t words, uint32_t* out) {

@@ -37,8 +37,8 @@ __global__ void embed_kernel(const RowDesc* rows, int hidden, float* x) {
 
 // One block per out row; each thread keeps its PER elements (i = threadIdx.x + k·blockDim.x) and
 // their norm weights in registers, all loaded before the sum of squares, so that the row costs one
-// round trip to memory (reading x again and the weights after the sum cost 7 µs per launch at batch
-// 1 on the 7B shape: ncu, run 59).
+// round trip to memory (reading x again and the weights after the sum took 6.9 µs per launch at
+// batch 1 on the 7B shape, against 5.1 µs this way: ncu, runs 59 and 61).
 template <int PER>
 __global__ void add_rmsnorm_kernel(float* x, const float* add, const RowDesc* rows, const int* row_map,
                                    int hidden, int norm_offset, int bias_offset, float eps, __nv_bfloat16* out) {
@@ -128,8 +128,8 @@ __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q,
 // at the end. head_dim must be a multiple of 8 (16-byte key loads). kAttnWarps warps per block: 8 for
 // single rows (a decode row's positions spread over more warps), 4 for tiles of 8 (on the 7B shape
 // 8 warps and an unrolled key loop for tiles too made 512-token prefill 10% slower). Steps of decode
-// rows alone go to attention_split_kernel where it applies; a decode row in a step with a prefill
-// chunk comes here as a tile of one.
+// rows alone go to attention_split_kernel where it applies (QT = 1 here otherwise); a decode row in a
+// step with a prefill chunk comes here as a tile of one.
 template <int QT, int DPL, int kAttnWarps = QT == 1 ? 8 : 4>
 __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float* q, int q_stride, const RowDesc* rows,
                                                                     const int2* tiles, int layer, int layers,
@@ -523,7 +523,11 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
 #undef BITDELTA_ATTN_CASE
     }
   };
-  go(std::integral_constant<int, kAttnTile>{});
+  // Decode rows the split kernel does not take keep a block of 8 warps per (row, head).
+  if (max_tile <= 1)
+    go(std::integral_constant<int, 1>{});
+  else
+    go(std::integral_constant<int, kAttnTile>{});
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
