@@ -269,6 +269,7 @@ int main() {
       for (bool per_row : {true, false}) {
         check_case(rng, s.N, s.K, {0}, 1, per_row);
         check_case(rng, s.N, s.K, {-1}, 1, per_row);
+        check_case(rng, s.N, s.K, {-1, 1, -1}, 2, per_row);  // one row with a delta, not the first
         check_case(rng, s.N, s.K, {2, 0, -1, 1, 0}, 3, per_row);
         std::vector<int> sixteen(16);
         for (int r = 0; r < 16; ++r) sixteen[r] = r;

@@ -10,7 +10,8 @@ build=${BITDELTA_CUDA_BUILD:-build-cuda}
 if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBITDELTA_CUDA=ON -DCMAKE_CUDA_FLAGS="--threads=0"
 fi
-targets=(bitdelta bitdelta_tests bench_linear bitdelta_gpu_tests bench_gpu_e2e make_synthetic test_cuda_fused_linear bench_cuda_fused_linear bench_mma_rates bench_b1_delta)
+targets=(bitdelta bitdelta_tests bench_linear bitdelta_gpu_tests bench_gpu_e2e bench_gpu_attention make_synthetic test_cuda_fused_linear
+         bench_cuda_fused_linear bench_mma_rates bench_b1_delta)
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 rm -rf .device/bin .device/lib
 mkdir -p .device/bin .device/lib

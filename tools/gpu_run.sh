@@ -10,7 +10,7 @@
 # BITDELTA_STAGES (default "tests serve e2e"): any of
 #   tests    bitdelta_gpu_tests (ops, model vs fixtures and CPU, engine tiers, CLI) + test_cuda_fused_linear
 #   serve    `bitdelta serve --device cuda` on the demo family: one request per variant, `bench serve`, /metrics
-#   kernels  bench_cuda_fused_linear (the linear-layer table of issue 6)
+#   kernels  bench_cuda_fused_linear (the linear-layer table of issue 6) and bench_gpu_attention
 #   e2e      a synthetic Llama-2-7B-shaped model with 14 deltas (made here, in /tmp) and bench_gpu_e2e
 set -uo pipefail
 out=${1:?usage: tools/gpu_run.sh OUT_DIR}
@@ -80,6 +80,8 @@ if has kernels; then
   echo "== kernels"
   "$bin/bench_cuda_fused_linear" >"$out/kernel_bench.log" 2>&1 || status=1
   cat "$out/kernel_bench.log"
+  "$bin/bench_gpu_attention" >"$out/attention_bench.log" 2>&1 || status=1
+  cat "$out/attention_bench.log"
 fi
 
 if has e2e; then

@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "backend/cpu/ops.h"
@@ -86,7 +88,7 @@ TEST_F(GpuOps, EmbeddingGatherAndRmsnormWithResidualAdd) {
   const int tokens[rows] = {0, 7, 49, 7, 3};
   std::vector<cuda::RowDesc> desc(rows);
   for (int r = 0; r < rows; ++r)
-    desc[size_t(r)] = {tokens[r], r, nullptr, r % 2 ? de1.p : de0.p, r % 2 ? dn1.p : dn0.p, nullptr};
+    desc[size_t(r)] = {tokens[r], r, 0, nullptr, r % 2 ? de1.p : de0.p, r % 2 ? dn1.p : dn0.p, nullptr};
   Buf<cuda::RowDesc> ddesc(rows);
   ddesc.put(desc);
   Buf<float> x(size_t(rows) * hidden), add(size_t(rows) * hidden);
@@ -131,12 +133,13 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     for (size_t i = 0; i < inv_freq.size(); ++i) inv_freq[i] = float(1.0 / std::pow(10000.0, 2.0 * double(i) / head_dim));
     Buf<float> dinv(inv_freq.size());
     dinv.put(inv_freq);
-    // Each sequence's cache, filled at earlier positions with random bf16 keys and values.
+    // Each sequence's cache, filled at earlier positions with random bf16 keys and values. Layout
+    // [layers][2][cap][kv_dim] (cuda::kv_index), written out here rather than through kv_index.
     std::vector<std::vector<float>> cache(n_seq);
     std::vector<std::unique_ptr<Buf<__nv_bfloat16>>> dcache;
-    const size_t per_pos = size_t(layers) * 2 * kv_dim;
+    const auto at_kv = [&](int l, int which, int p) { return ((size_t(l) * 2 + size_t(which)) * cap + size_t(p)) * kv_dim; };
     for (int s = 0; s < n_seq; ++s) {
-      cache[size_t(s)] = randn(size_t(cap) * per_pos, 10 + uint64_t(s));
+      cache[size_t(s)] = randn(size_t(layers) * 2 * cap * kv_dim, 10 + uint64_t(s));
       for (auto& v : cache[size_t(s)]) v = round_bf16(v);
       dcache.push_back(std::make_unique<Buf<__nv_bfloat16>>(cache[size_t(s)].size()));
       dcache.back()->put(to_bf16(cache[size_t(s)]));
@@ -148,7 +151,7 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     std::vector<cuda::RowDesc> desc(static_cast<size_t>(rows));
     for (int r = 0; r < rows; ++r) {
       const auto [seq, pos] = row_at[size_t(r)];
-      desc[size_t(r)] = {0, pos, dcache[size_t(seq)]->p, nullptr, nullptr, has_bias(seq) ? dbias.p : nullptr};
+      desc[size_t(r)] = {0, pos, cap, dcache[size_t(seq)]->p, nullptr, nullptr, has_bias(seq) ? dbias.p : nullptr};
     }
     Buf<cuda::RowDesc> ddesc(static_cast<size_t>(rows));
     ddesc.put(desc);
@@ -172,17 +175,22 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     dv.put(v);
     Buf<__nv_bfloat16> out(size_t(rows) * q_dim);
     const float scale = 1.0f / std::sqrt(float(head_dim));
-    cuda::bias_rope_store(dq.p, dk.p, dv.p, q_dim, kv_dim, ddesc.p, rows, layer, layers, heads, kv_heads, head_dim,
-                          hidden, dinv.p, nullptr);
-    cuda::attention(dq.p, q_dim, ddesc.p, dtiles.p, int(tiles.size()), cuda::kAttnTile, 50, layer, layers, heads,
-                    kv_heads, head_dim, scale, out.p, nullptr);
-    // The decode rows (the first 4, tiles 0–3 of one row each) alone, twice (the split counters
-    // must be back at zero after a launch).
+    cuda::bias_rope_store(dq.p, dk.p, dv.p, q_dim, kv_dim, ddesc.p, rows, layer, heads, kv_heads, head_dim, hidden,
+                          dinv.p, nullptr);
+    cuda::attention(dq.p, q_dim, ddesc.p, dtiles.p, int(tiles.size()), cuda::kAttnTile, 50, layer, heads, kv_heads,
+                    head_dim, scale, out.p, nullptr);
+    // The decode rows (the first 4, tiles 0–3 of one row each) alone: with the positions per block
+    // chosen (twice: the split counters must be back at zero after a launch), then for position 299
+    // (10 chunks of 32) 128 (3 splits of 3–4 chunks, one per warp), 160 (2 splits of 5, two for warp
+    // 0) and 4096 (one split, 3 chunks for warps 0 and 1).
     const int n_decode = 4;
-    Buf<__nv_bfloat16> out_decode(size_t(n_decode) * q_dim);
-    for (int rep = 0; rep < 2; ++rep)
-      cuda::attention(dq.p, q_dim, ddesc.p, dtiles.p, n_decode, 1, 299, layer, layers, heads, kv_heads, head_dim,
-                      scale, out_decode.p, nullptr);
+    const int split_lens[] = {0, 0, 128, 160, 4096};
+    std::vector<std::unique_ptr<Buf<__nv_bfloat16>>> out_decode;
+    for (const int split_len : split_lens) {
+      out_decode.push_back(std::make_unique<Buf<__nv_bfloat16>>(size_t(n_decode) * q_dim));
+      cuda::attention(dq.p, q_dim, ddesc.p, dtiles.p, n_decode, 1, 299, layer, heads, kv_heads, head_dim, scale,
+                      out_decode.back()->p, nullptr, split_len);
+    }
     CUDA_OK(cudaDeviceSynchronize());
 
     // CPU, row by row: bias, rope, store (bf16-rounded, as the cache holds), attend over the float
@@ -201,11 +209,11 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
       const size_t pos = size_t(p);
       cpu::rope(qr, size_t(heads), size_t(head_dim), pos, inv_freq);
       cpu::rope(kr.data(), size_t(kv_heads), size_t(head_dim), pos, inv_freq);
-      float* at = &cache[size_t(seq)][(pos * layers + layer) * 2 * kv_dim];
-      for (int i = 0; i < kv_dim; ++i) at[i] = round_bf16(kr[size_t(i)]), at[kv_dim + i] = round_bf16(vr[size_t(i)]);
-      const float* keys = &cache[size_t(seq)][size_t(layer) * 2 * kv_dim];
+      auto& cs = cache[size_t(seq)];
+      for (int i = 0; i < kv_dim; ++i)
+        cs[at_kv(layer, 0, p) + size_t(i)] = round_bf16(kr[size_t(i)]), cs[at_kv(layer, 1, p) + size_t(i)] = round_bf16(vr[size_t(i)]);
       for (int h = 0; h < heads; ++h)
-        cpu::attend(qr + h * head_dim, keys, keys + kv_dim, pos + 1, per_pos,
+        cpu::attend(qr + h * head_dim, &cs[at_kv(layer, 0, 0)], &cs[at_kv(layer, 1, 0)], pos + 1, size_t(kv_dim),
                     size_t(h / (heads / kv_heads) * head_dim), size_t(head_dim), scale,
                     &want_out[size_t(r) * q_dim + size_t(h) * head_dim]);
     }
@@ -214,15 +222,19 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     check_close(dq.get(), want_q, 1e-5, "rope q");
     for (int r = 0; r < rows; ++r) {
       const auto [seq, p] = row_at[size_t(r)];
-      std::vector<__nv_bfloat16> got(2 * size_t(kv_dim));
-      cudaMemcpy(got.data(), dcache[size_t(seq)]->p + (size_t(p) * layers + layer) * 2 * kv_dim, got.size() * 2,
-                 cudaMemcpyDeviceToHost);
-      const float* want = &cache[size_t(seq)][(size_t(p) * layers + layer) * 2 * kv_dim];
-      EXPECT_EQ(to_f32(got), std::vector<float>(want, want + 2 * kv_dim)) << "k, v stored at row " << r;
+      for (int which = 0; which < 2; ++which) {
+        std::vector<__nv_bfloat16> got(static_cast<size_t>(kv_dim));
+        cudaMemcpy(got.data(), dcache[size_t(seq)]->p + at_kv(layer, which, p), got.size() * 2, cudaMemcpyDeviceToHost);
+        const float* want = &cache[size_t(seq)][at_kv(layer, which, p)];
+        EXPECT_EQ(to_f32(got), std::vector<float>(want, want + kv_dim)) << (which ? "v" : "k") << " stored at row " << r;
+      }
     }
     check_close(to_f32(out.get()), want_out, 5e-3, "attention (bf16 out)");
-    check_close(to_f32(out_decode.get()), std::vector<float>(want_out.begin(), want_out.begin() + long(n_decode) * q_dim),
-                5e-3, "attention, decode rows split over blocks (bf16 out)");
+    for (size_t i = 0; i < out_decode.size(); ++i) {
+      const std::string what = "attention, decode rows, split_len " + std::to_string(split_lens[i]);
+      check_close(to_f32(out_decode[i]->get()),
+                  std::vector<float>(want_out.begin(), want_out.begin() + long(n_decode) * q_dim), 5e-3, what.c_str());
+    }
   }
 }
 

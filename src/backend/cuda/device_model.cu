@@ -619,7 +619,7 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   // KV caches: created or grown (doubling; the valid prefix copied) to hold every row's position.
   std::map<std::shared_ptr<DeviceKV>*, size_t> need;
   for (const auto& r : in) need[r.kv] = std::max(need[r.kv], r.position + 1);
-  const size_t per_pos = size_t(L) * 2 * kvd * sizeof(bf16);
+  const size_t per_pos = size_t(L) * 2 * kvd * sizeof(bf16), row_bytes = size_t(kvd) * sizeof(bf16);
   for (auto& [slot, n] : need) {
     auto& kv = *slot;
     if (kv && kv->capacity >= n) continue;
@@ -629,9 +629,10 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
     fresh->ctx = m.ctx;
     fresh->data = static_cast<bf16*>(device_alloc(cap * per_pos, m.ctx->stream, "a sequence's KV cache"));
     fresh->capacity = cap;
-    if (kv)
-      BITDELTA_CUDA_CHECK(cudaMemcpyAsync(fresh->data, kv->data, kv->capacity * per_pos, cudaMemcpyDeviceToDevice,
-                                          m.ctx->stream));
+    if (kv)  // each layer's keys and values: the old capacity's rows to the start of the new one's
+      BITDELTA_CUDA_CHECK(cudaMemcpy2DAsync(fresh->data, cap * row_bytes, kv->data, kv->capacity * row_bytes,
+                                            kv->capacity * row_bytes, size_t(L) * 2, cudaMemcpyDeviceToDevice,
+                                            m.ctx->stream));
     kv = fresh;
   }
 
@@ -644,7 +645,8 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   for (size_t i = 0; i < R; ++i) {
     const DeviceRow& r = in[order[i]];
     var[i] = m.variants[size_t(r.variant)].get();
-    desc[i] = {r.token, int32_t(r.position), (*r.kv)->data, var[i]->embed, var[i]->norms, var[i]->bias};
+    desc[i] = {r.token, int32_t(r.position), int32_t((*r.kv)->capacity), (*r.kv)->data, var[i]->embed, var[i]->norms,
+               var[i]->bias};
     if (r.want_logits) want_sorted.push_back(i);
   }
   const size_t W = want_sorted.size();
@@ -689,15 +691,15 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   for (int l = 0; l < L; ++l) {
     add_rmsnorm(m.x, l ? m.down : nullptr, m.rows_dev, nullptr, int(R), H, 2 * l * H, -1, eps, m.h, s);
     if (fused_linear(l, 0, m.h, H, m.q, qd + 2 * kvd)) {
-      bias_rope_store(m.q, m.q + qd, m.q + qd + kvd, qd + 2 * kvd, qd + 2 * kvd, m.rows_dev, int(R), l, L, heads, kvh,
+      bias_rope_store(m.q, m.q + qd, m.q + qd + kvd, qd + 2 * kvd, qd + 2 * kvd, m.rows_dev, int(R), l, heads, kvh,
                       hd, H, m.inv_freq, s);
-      attention(m.q, qd + 2 * kvd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, L, heads, kvh, hd, scale, m.attn, s);
+      attention(m.q, qd + 2 * kvd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, heads, kvh, hd, scale, m.attn, s);
     } else {
       linear(l, kQ, m.h, H, m.q, qd);
       linear(l, kK, m.h, H, m.k, kvd);
       linear(l, kV, m.h, H, m.v, kvd);
-      bias_rope_store(m.q, m.k, m.v, qd, kvd, m.rows_dev, int(R), l, L, heads, kvh, hd, H, m.inv_freq, s);
-      attention(m.q, qd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, L, heads, kvh, hd, scale, m.attn, s);
+      bias_rope_store(m.q, m.k, m.v, qd, kvd, m.rows_dev, int(R), l, heads, kvh, hd, H, m.inv_freq, s);
+      attention(m.q, qd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, heads, kvh, hd, scale, m.attn, s);
     }
     linear(l, kO, m.attn, qd, m.o, H);
     add_rmsnorm(m.x, m.o, m.rows_dev, nullptr, int(R), H, (2 * l + 1) * H,

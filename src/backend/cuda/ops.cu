@@ -1,6 +1,7 @@
 #include "ops.cuh"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -76,7 +77,7 @@ __global__ void add_rmsnorm_kernel(float* x, const float* add, const RowDesc* ro
 constexpr int kRopeThreads = 256, kMaxHalf = 128;
 __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q, const float* k, const float* v,
                                                                        int q_stride, int kv_stride, const RowDesc* rows,
-                                                                       int layer, int layers, int heads, int kv_heads,
+                                                                       int layer, int heads, int kv_heads,
                                                                        int head_dim, int hidden, const float* inv_freq) {
   const int r = blockIdx.x;
   const RowDesc row = rows[r];
@@ -89,7 +90,8 @@ __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q,
   }
   __syncthreads();
   const float* bias = row.bias ? row.bias + size_t(layer) * (q_dim + 2 * kv_dim + hidden) : nullptr;
-  __nv_bfloat16* kv = row.kv + (size_t(row.position) * layers + layer) * 2 * kv_dim;
+  __nv_bfloat16* kr_out = row.kv + kv_index(layer, 0, size_t(row.position), size_t(row.kv_capacity), kv_dim);
+  __nv_bfloat16* vr_out = row.kv + kv_index(layer, 1, size_t(row.position), size_t(row.kv_capacity), kv_dim);
   float* qr = q + size_t(r) * q_stride;
   const float* kr = k + size_t(r) * kv_stride;
   const float* vr = v + size_t(r) * kv_stride;
@@ -97,7 +99,7 @@ __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q,
   for (int p = blockIdx.y * blockDim.x + threadIdx.x; p < pairs + kv_dim; p += gridDim.y * blockDim.x) {
     if (p >= pairs) {
       const int i = p - pairs;
-      kv[kv_dim + i] = __float2bfloat16(vr[i] + (bias ? bias[q_dim + kv_dim + i] : 0.0f));
+      vr_out[i] = __float2bfloat16(vr[i] + (bias ? bias[q_dim + kv_dim + i] : 0.0f));
       continue;
     }
     const bool is_q = p < q_pairs;
@@ -112,8 +114,8 @@ __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q,
     } else {
       float a = kr[ia], b = kr[ib];
       if (bias) a += bias[q_dim + ia], b += bias[q_dim + ib];
-      kv[ia] = __float2bfloat16(a * c - b * sn);
-      kv[ib] = __float2bfloat16(b * c + a * sn);
+      kr_out[ia] = __float2bfloat16(a * c - b * sn);
+      kr_out[ib] = __float2bfloat16(b * c + a * sn);
     }
   }
 }
@@ -132,7 +134,7 @@ __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q,
 // step with a prefill chunk comes here as a tile of one.
 template <int QT, int DPL, int kAttnWarps = QT == 1 ? 8 : 4>
 __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float* q, int q_stride, const RowDesc* rows,
-                                                                    const int2* tiles, int layer, int layers,
+                                                                    const int2* tiles, int layer,
                                                                     int heads, int kv_heads, int head_dim,
                                                                     float scale, __nv_bfloat16* out) {
   const int h = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -140,9 +142,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
   const RowDesc first = rows[tile.x];
   const int p0 = first.position, n = tile.y, p_last = p0 + n - 1;
   const int kv_dim = kv_heads * head_dim, kvh = h / (heads / kv_heads);
-  const size_t stride = size_t(layers) * 2 * kv_dim;  // between positions
-  const __nv_bfloat16* kbase = first.kv + size_t(layer) * 2 * kv_dim + size_t(kvh) * head_dim;
-  const __nv_bfloat16* vbase = kbase + kv_dim;
+  const size_t stride = size_t(kv_dim);  // between positions
+  const __nv_bfloat16* kbase = first.kv + kv_index(layer, 0, 0, size_t(first.kv_capacity), kv_dim) + size_t(kvh) * head_dim;
+  const __nv_bfloat16* vbase = first.kv + kv_index(layer, 1, 0, size_t(first.kv_capacity), kv_dim) + size_t(kvh) * head_dim;
 
   __shared__ float q_s[QT][DPL * 32];
   __shared__ float p_s[kAttnWarps][QT][32];
@@ -262,16 +264,19 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
 }
 
 // Decode rows (tiles of one row): the positions are split over blocks as well (flash decoding), so
-// that one row's heads fill the device. Block (h, r, s) takes positions [s·kSplitLen, (s+1)·kSplitLen)
-// of row r's [0, position], 32 per warp; its lanes hold dims, so that each key and value row is one
-// coalesced load, and the scores are put back one per lane by a transposing warp sum. Blocks past
-// the row's last position exit. With one split the block writes the row's output; otherwise each
-// writes its (max, sum, unnormalized p·v) to part[r][h][s], and the last of the row's splits to
-// arrive (a counter per row and head, reset by it) merges them in split order. On the 7B shape at 520
-// positions (ncu): one block of 8 warps per (row, head), a lane per position, took 24 µs per layer
-// at batch 1 (run 59); this kernel 9.8 µs (run 64). At batch 32 both take 103–109 µs, 0.6 of the
-// copy rate.
-constexpr int kSplitWarps = 4, kSplitLen = kSplitWarps * 32;
+// that one row's heads fill the device. Row r's [0, position] is cut into 32-position chunks, and
+// those into splits = ⌈(position + 1) / split_len⌉ near-equal runs; block (h, r, s) takes run s, its
+// warp w the run's chunks w, w + 4, ... Lanes hold dims, so that each key and value row is one
+// coalesced load, and the scores are put back one per lane by a transposing warp sum. While a
+// chunk's scores and values are computed, the next chunk's keys, then its values, are already in
+// flight. Blocks past the row's last split exit. With one split the block writes the row's output;
+// otherwise each writes its (max, sum, unnormalized p·v) to part[r][h][s], and the last of the row's
+// splits to arrive (a counter per row and head, reset by it) merges them in split order. On the 7B
+// shape at 520 positions: one block of 8 warps per (row, head), a lane per position, took 24 µs per
+// layer at batch 1 (ncu, run 59); one chunk per warp and 128 positions per block 12.5 µs at batch 1
+// and 132.6 µs at batch 32; this kernel, splits as attention() chooses, 12.8 and 82.2 µs (0.78 of
+// the copy rate), and 1.0 of it from 8 rows × 2048 positions on (bench_gpu_attention, runs 68–69).
+constexpr int kSplitWarps = 4, kChunk = 32;
 
 // One step of a transposing warp sum: lanes with bit W set keep the upper W of their first 2·W
 // values, the others the lower W, each adding its partner's (lane ^ W) share (a constant W per
@@ -287,18 +292,23 @@ __device__ __forceinline__ void transpose_sum(float (&d)[32], int lane) {
 }
 template <int DPL>
 __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const float* q, int q_stride,
-                                                                           const RowDesc* rows, int layer, int layers,
+                                                                           const RowDesc* rows, int layer,
                                                                            int heads, int kv_heads, int head_dim,
-                                                                           float scale, float* part, unsigned* arrived,
-                                                                           int max_splits, __nv_bfloat16* out) {
+                                                                           float scale, int split_len, float* part,
+                                                                           unsigned* arrived, int max_splits,
+                                                                           __nv_bfloat16* out) {
   const int h = blockIdx.x, r = blockIdx.y, sp = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const RowDesc row = rows[r];
-  const int p_last = row.position, splits = p_last / kSplitLen + 1;
+  const int n = row.position + 1, splits = (n + split_len - 1) / split_len;
   if (sp >= splits) return;  // the whole block
+  // This split's chunks [chunk_begin, chunk_end): the row's chunks spread evenly over its splits, at
+  // least one each (split_len ≥ 32, so splits ≤ chunks).
+  const int chunks = (n + kChunk - 1) / kChunk;
+  const int chunk_begin = sp * chunks / splits, chunk_end = (sp + 1) * chunks / splits;
   const int kv_dim = kv_heads * head_dim, kvh = h / (heads / kv_heads);
-  const size_t stride = size_t(layers) * 2 * kv_dim;  // between positions
-  const __nv_bfloat16* kbase = row.kv + size_t(layer) * 2 * kv_dim + size_t(kvh) * head_dim;
-  const __nv_bfloat16* vbase = kbase + kv_dim;
+  const size_t stride = size_t(kv_dim);  // between positions
+  const __nv_bfloat16* kbase = row.kv + kv_index(layer, 0, 0, size_t(row.kv_capacity), kv_dim) + size_t(kvh) * head_dim;
+  const __nv_bfloat16* vbase = row.kv + kv_index(layer, 1, 0, size_t(row.kv_capacity), kv_dim) + size_t(kvh) * head_dim;
 
   // Lane ℓ holds dims DPL·ℓ .. DPL·ℓ + DPL − 1 of q (scaled), and of each key and value it reads: one
   // coalesced load of 2·DPL bytes per position (a key or value row in one instruction of the warp).
@@ -311,78 +321,97 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
     qv[j] = dims_valid ? q[size_t(r) * q_stride + size_t(h) * head_dim + DPL * lane + j] * scale : 0.0f;
   __shared__ float p_s[kSplitWarps][32];
 
-  // This warp's chunk of 32 positions (count of them valid; ≤ 0: none). The keys and the first VB
-  // values (all 32 but with DPL 8: registers) are loaded before any is used.
-  const int c0 = sp * kSplitLen + warp * 32;
-  const int count = min(32, p_last - c0 + 1);
-  const auto at = [&](const __nv_bfloat16* base, int e) {
-    return reinterpret_cast<const Raw*>(base + size_t(c0 + max(0, min(e, count - 1))) * stride + DPL * lane);
-  };
+  // Chunk c's keys (all 32) and values (VB at a time: all 32 but with DPL 8, for registers); rows
+  // past the last position repeat it (loaded, never used).
   constexpr int VB = DPL == 8 ? 16 : 32;
   Raw kraw[32], vraw[VB];
-#pragma unroll
-  for (int e = 0; e < 32; ++e) kraw[e] = dims_valid && count > 0 ? __ldg(at(kbase, e)) : Raw{};
-  const auto load_values = [&](int u0) {
-#pragma unroll
-    for (int e = 0; e < VB; ++e) vraw[e] = dims_valid && count > 0 ? __ldg(at(vbase, u0 + e)) : Raw{};
+  const auto at = [&](const __nv_bfloat16* base, int c, int e) {
+    return reinterpret_cast<const Raw*>(base + size_t(min(c * kChunk + e, n - 1)) * stride + DPL * lane);
   };
-  load_values(0);
-  // Partial dot products over this lane's dims, then a transposing reduction: at step w, the lanes
-  // with bit w set keep the upper half of their positions and the others the lower half, each adding
-  // its partner's (lane ^ w) share; after 16 + 8 + 4 + 2 + 1 shuffles lane t holds position t's score.
-  float dots[32];
+  const auto load_keys = [&](int c) {
 #pragma unroll
-  for (int e = 0; e < 32; ++e) {
-    const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&kraw[e]);
-    float dot = 0.0f;
+    for (int e = 0; e < 32; ++e) kraw[e] = dims_valid ? __ldg(at(kbase, c, e)) : Raw{};
+  };
+  const auto load_values = [&](int c, int u0) {
 #pragma unroll
-    for (int j = 0; j < DPL / 2; ++j) {
-      const float2 f = __bfloat1622float2(k2[j]);
-      dot += qv[2 * j] * f.x + qv[2 * j + 1] * f.y;
-    }
-    dots[e] = dot;
+    for (int e = 0; e < VB; ++e) vraw[e] = dims_valid ? __ldg(at(vbase, c, u0 + e)) : Raw{};
+  };
+  // With 8 dims per lane the next chunk's keys do not fit beside this chunk's values: they load at
+  // the top of their own chunk.
+  constexpr bool kPrefetchKeys = DPL <= 4;
+  int c = chunk_begin + warp;
+  if (c < chunk_end) {
+    if (kPrefetchKeys) load_keys(c);
+    load_values(c, 0);
   }
-  transpose_sum<16>(dots, lane);
-  transpose_sum<8>(dots, lane);
-  transpose_sum<4>(dots, lane);
-  transpose_sum<2>(dots, lane);
-  transpose_sum<1>(dots, lane);
-  const bool valid = lane < count;
-  const float sc = valid ? dots[0] : -INFINITY;
-  float m = sc;
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const float pv = valid ? expf(sc - m) : 0.0f;  // m is finite when the chunk has a position
-  p_s[warp][lane] = pv;
-  const float l = warp_sum(pv);
-  __syncwarp();
-  float acc[DPL];
+  float m = -INFINITY, l = 0.0f, acc[DPL];
 #pragma unroll
   for (int j = 0; j < DPL; ++j) acc[j] = 0.0f;
-  for (int u0 = 0; u0 < count; u0 += VB) {
-    if (u0 > 0) load_values(u0);
+  for (; c < chunk_end; c += kSplitWarps) {
+    const int count = min(kChunk, n - c * kChunk), next = c + kSplitWarps;
+    if (!kPrefetchKeys) load_keys(c);
+    // Partial dot products over this lane's dims, then a transposing reduction: at step w, the lanes
+    // with bit w set keep the upper half of their positions and the others the lower half, each
+    // adding its partner's (lane ^ w) share; after 16 + 8 + 4 + 2 + 1 shuffles lane t holds position
+    // t's score.
+    float dots[32];
 #pragma unroll
-    for (int e = 0; e < VB; ++e) {
-      if (u0 + e >= count) break;
-      const float pu = p_s[warp][u0 + e];
-      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&vraw[e]);
+    for (int e = 0; e < 32; ++e) {
+      const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&kraw[e]);
+      float dot = 0.0f;
 #pragma unroll
       for (int j = 0; j < DPL / 2; ++j) {
-        const float2 f = __bfloat1622float2(v2[j]);
-        acc[2 * j] += pu * f.x;
-        acc[2 * j + 1] += pu * f.y;
+        const float2 f = __bfloat1622float2(k2[j]);
+        dot += qv[2 * j] * f.x + qv[2 * j + 1] * f.y;
+      }
+      dots[e] = dot;
+    }
+    if (kPrefetchKeys && next < chunk_end) load_keys(next);  // in flight during this chunk's softmax and values
+    transpose_sum<16>(dots, lane);
+    transpose_sum<8>(dots, lane);
+    transpose_sum<4>(dots, lane);
+    transpose_sum<2>(dots, lane);
+    transpose_sum<1>(dots, lane);
+    // Online softmax: the running max m (finite after the first chunk), sum l and acc rescaled.
+    const bool valid = lane < count;
+    float cmax = valid ? dots[0] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
+    const float mn = fmaxf(m, cmax), corr = expf(m - mn);  // m = −∞ at the first chunk: corr 0
+    const float pv = valid ? expf(dots[0] - mn) : 0.0f;
+    p_s[warp][lane] = pv;
+    l = l * corr + warp_sum(pv);
+    m = mn;
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) acc[j] *= corr;
+    __syncwarp();
+    for (int u0 = 0; u0 < count; u0 += VB) {
+      if (u0 > 0) load_values(c, u0);
+#pragma unroll
+      for (int e = 0; e < VB; ++e) {
+        if (u0 + e >= count) break;
+        const float pu = p_s[warp][u0 + e];
+        const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&vraw[e]);
+#pragma unroll
+        for (int j = 0; j < DPL / 2; ++j) {
+          const float2 f = __bfloat1622float2(v2[j]);
+          acc[2 * j] += pu * f.x;
+          acc[2 * j + 1] += pu * f.y;
+        }
       }
     }
+    __syncwarp();  // p_s is rewritten by the next chunk
+    if (next < chunk_end) load_values(next, 0);
   }
 
   // The block's warps merged: (M, L, Σ acc·e^(m − M)).
   __shared__ float sm_m[kSplitWarps], sm_l[kSplitWarps], sm_acc[kSplitWarps][DPL * 32];
   __shared__ bool last;
-  if (lane == 0) sm_m[warp] = count > 0 ? m : -INFINITY, sm_l[warp] = l;
+  if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;  // −∞ and 0 for a warp without a chunk
 #pragma unroll
   for (int j = 0; j < DPL; ++j) sm_acc[warp][DPL * lane + j] = acc[j];
   __syncthreads();
   float mx = -INFINITY;
-  for (int w = 0; w < kSplitWarps; ++w) mx = fmaxf(mx, sm_m[w]);  // finite: warp 0 has position c0 ≤ p_last
+  for (int w = 0; w < kSplitWarps; ++w) mx = fmaxf(mx, sm_m[w]);  // finite: warp 0 has a chunk
   float total = 0.0f;
   for (int w = 0; w < kSplitWarps; ++w) total += sm_m[w] == -INFINITY ? 0.0f : sm_l[w] * expf(sm_m[w] - mx);
   const auto merged = [&](int d) {
@@ -423,6 +452,26 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
   }
 }
 
+// The split kernel's resident blocks on the current device (one wave; cached per device).
+int split_blocks_wave(int dpl) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices][3];
+  int device = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
+  const int slot = dpl == 2 ? 0 : dpl == 4 ? 1 : 2;
+  if (device < kMaxDevices && cache[device][slot].load(std::memory_order_relaxed) > 0)
+    return cache[device][slot].load(std::memory_order_relaxed);
+  int sms = 0, per_sm = 0;
+  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const void* fn = dpl == 2   ? reinterpret_cast<const void*>(attention_split_kernel<2>)
+                   : dpl == 4 ? reinterpret_cast<const void*>(attention_split_kernel<4>)
+                              : reinterpret_cast<const void*>(attention_split_kernel<8>);
+  BITDELTA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kSplitWarps * 32, 0));
+  const int target = sms * std::max(per_sm, 1);
+  if (device < kMaxDevices) cache[device][slot].store(target, std::memory_order_relaxed);
+  return target;
+}
+
 __global__ void swiglu_kernel(const float* gate, const float* up, int stride, int n, __nv_bfloat16* out) {
   const size_t r = blockIdx.y;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -454,28 +503,40 @@ void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row
 }
 
 void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int kv_stride, const RowDesc* rows,
-                     int n_rows, int layer, int layers, int heads, int kv_heads, int head_dim, int hidden,
+                     int n_rows, int layer, int heads, int kv_heads, int head_dim, int hidden,
                      const float* inv_freq, cudaStream_t stream) {
   if (n_rows == 0) return;
   if (head_dim % 2 || head_dim / 2 > kMaxHalf)
     fail("cuda::bias_rope_store: head_dim ", head_dim, " (even, at most ", 2 * kMaxHalf, ")");
   const int items = (heads + kv_heads) * head_dim / 2 + kv_heads * head_dim;
   const dim3 grid{unsigned(n_rows), unsigned(std::min((items + kRopeThreads - 1) / kRopeThreads, 32))};
-  bias_rope_store_kernel<<<grid, kRopeThreads, 0, stream>>>(q, k, v, q_stride, kv_stride, rows, layer, layers, heads,
+  bias_rope_store_kernel<<<grid, kRopeThreads, 0, stream>>>(q, k, v, q_stride, kv_stride, rows, layer, heads,
                                                             kv_heads, head_dim, hidden, inv_freq);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
 void attention(const float* q, int q_stride, const RowDesc* rows, const int2* tiles, int n_tiles, int max_tile,
-               int max_position, int layer, int layers, int heads, int kv_heads, int head_dim, float scale,
-               __nv_bfloat16* out, cudaStream_t stream) {
+               int max_position, int layer, int heads, int kv_heads, int head_dim, float scale,
+               __nv_bfloat16* out, cudaStream_t stream, int split_len) {
   if (n_tiles == 0) return;
   if (head_dim % 8 || head_dim > 256) fail("cuda::attention: head_dim ", head_dim, " (a multiple of 8, at most 256)");
   const int dpl = (head_dim + 31) / 32;
   // Decode rows only (tile i is row i), at most 65535 (the grid's y), with 2, 4 or 8 dims per lane
   // (head_dim 40–64, 104–128 or 232–256) go to the split kernel.
   if (max_tile <= 1 && n_tiles <= 65535 && (dpl == 2 || dpl == 4 || dpl == 8)) {
-    const int max_splits = max_position / kSplitLen + 1;
+    const int n_max = max_position + 1, chunks_max = (n_max + kChunk - 1) / kChunk;
+    if (split_len <= 0) {
+      // Splits per row: about one wave of resident blocks over all (row, head) pairs (the nearest
+      // count, at least 1), and at least 4 chunks (one per warp) in each. Splitting costs a merge
+      // and a tail: on the 7B shape at 520 positions (run 68), 8 rows took 25.4 µs unsplit against
+      // 31.7 in 2 splits, 32 rows 82.6 against 102.4; one row 12.5 µs in 5 splits against 17.7.
+      const int pairs = n_tiles * heads, wave = split_blocks_wave(dpl);
+      const int want = (wave + pairs / 2) / pairs;
+      const int splits = std::max(1, std::min(want, (chunks_max + kSplitWarps - 1) / kSplitWarps));
+      split_len = (n_max + splits - 1) / splits;
+    }
+    split_len = (std::max(split_len, kChunk) + kChunk - 1) / kChunk * kChunk;
+    const int max_splits = (n_max + split_len - 1) / split_len;
     float* part = nullptr;  // the splits' parts, and a counter per row and head (zero between launches)
     unsigned* arrived = nullptr;
     if (max_splits > 1) {
@@ -491,9 +552,9 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
     switch (dpl) {
 #define BITDELTA_SPLIT_CASE(D)                                                                                   \
   case D:                                                                                                        \
-    attention_split_kernel<D><<<grid, kSplitWarps * 32, 0, stream>>>(q, q_stride, rows, layer, layers, heads,    \
-                                                                     kv_heads, head_dim, scale, part, arrived,   \
-                                                                     max_splits, out);                           \
+    attention_split_kernel<D><<<grid, kSplitWarps * 32, 0, stream>>>(q, q_stride, rows, layer, heads,            \
+                                                                     kv_heads, head_dim, scale, split_len, part, \
+                                                                     arrived, max_splits, out);                  \
     break;
       BITDELTA_SPLIT_CASE(2)
       BITDELTA_SPLIT_CASE(4)
@@ -509,7 +570,7 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
     switch (dpl) {
 #define BITDELTA_ATTN_CASE(D)                                                                                 \
   case D:                                                                                                     \
-    attention_kernel<QT, D><<<grid, (QT == 1 ? 8 : 4) * 32, 0, stream>>>(q, q_stride, rows, tiles, layer, layers, heads, \
+    attention_kernel<QT, D><<<grid, (QT == 1 ? 8 : 4) * 32, 0, stream>>>(q, q_stride, rows, tiles, layer, heads, \
                                                                   kv_heads, head_dim, scale, out);            \
     break;
       BITDELTA_ATTN_CASE(1)

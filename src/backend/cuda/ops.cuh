@@ -16,11 +16,21 @@ namespace bitdelta::cuda {
 struct RowDesc {
   int32_t token;
   int32_t position;
-  __nv_bfloat16* kv;           // the sequence's cache: [capacity][layers][2][kv_dim] bf16
+  int32_t kv_capacity;         // positions the sequence's cache holds
+  __nv_bfloat16* kv;           // the sequence's cache, laid out as kv_index says
   const __nv_bfloat16* embed;  // the row's variant's embedding table [vocab, hidden]
   const float* norms;          // its norms: [layers][2][hidden] then the final norm [hidden]
   const float* bias;           // its biases [layers][q_dim + 2·kv_dim + hidden] (q, k, v, o), or null
 };
+
+// Where layer `layer`'s key (which 0) or value (which 1) row at `position` starts in a sequence's
+// cache of `capacity` positions: [layers][2][capacity][kv_dim] bf16, so that the rows one layer's
+// attention reads are contiguous per sequence. (Position-major, [capacity][layers][2][kv_dim], put
+// one layer's rows 512 KB apart on the 7B shape: a layer's attention at batch 32 then touched 8.5 GB
+// of addresses for 265 MB read.)
+__host__ __device__ inline size_t kv_index(int layer, int which, size_t position, size_t capacity, int kv_dim) {
+  return ((size_t(layer) * 2 + size_t(which)) * capacity + position) * size_t(kv_dim);
+}
 
 // x[r] = float(embed_r[token_r]), [rows, hidden].
 void embed_rows(const RowDesc* rows, int n_rows, int hidden, float* x, cudaStream_t stream);
@@ -38,7 +48,7 @@ void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row
 // starts at q + r·q_stride, of k and v at r·kv_stride (q, k and v may be views of one [rows, q+2kv]
 // output of a fused linear).
 void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int kv_stride, const RowDesc* rows,
-                     int n_rows, int layer, int layers, int heads, int kv_heads, int head_dim, int hidden,
+                     int n_rows, int layer, int heads, int kv_heads, int head_dim, int hidden,
                      const float* inv_freq, cudaStream_t stream);
 
 // Rows per attention tile: consecutive rows of one sequence at consecutive positions (a prefill
@@ -51,10 +61,11 @@ constexpr int kAttnTile = 8;
 // head / (heads / kv_heads)). Online softmax in float32. Row r of q starts at q + r·q_stride; out is
 // [rows, heads·head_dim]. max_tile: the largest tile's row count; with 1 (decode rows only, tile i
 // being row i) the positions are also split over thread blocks. max_position: the largest row
-// position. head_dim: a multiple of 8, ≤ 256.
+// position. head_dim: a multiple of 8, ≤ 256. split_len (decode rows only; 0: chosen from the row
+// count and positions): positions per block, rounded up to a multiple of 32 (benchmarks set it).
 void attention(const float* q, int q_stride, const RowDesc* rows, const int2* tiles, int n_tiles, int max_tile,
-               int max_position, int layer, int layers, int heads, int kv_heads, int head_dim, float scale,
-               __nv_bfloat16* out, cudaStream_t stream);
+               int max_position, int layer, int heads, int kv_heads, int head_dim, float scale,
+               __nv_bfloat16* out, cudaStream_t stream, int split_len = 0);
 
 // out[r][i] = bf16(silu(gate[r·stride + i]) ⊙ up[r·stride + i]) for i < n; out is [rows, n].
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,

@@ -1,0 +1,139 @@
+// Attention of decode rows over the KV cache on a CUDA device (issue 6): the split kernel
+// (backend/cuda/ops.cu) against its byte roofline, for several positions per block.
+//   bench_gpu_attention [--quick]
+// Every row of a case is at the same position n − 1 of its own sequence's cache. Bytes = each row's
+// keys and values once (rows × n × kv_dim × 2 × 2 B); with grouped-query heads the q heads of one kv
+// head re-read it (from L2 if it stays there). The roofline is that over the device-to-device copy
+// bandwidth (read + write) measured in the same run. Each timed call reads the next of several
+// layers, so that a case's bytes do not sit in L2 between calls (as in a decode step). Forms: the
+// positions per block the engine chooses (auto), and fixed 128 (one 32-position chunk per warp: the
+// form before part 9), 256, 512 and the whole row (one block per row and head).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/ops.cuh"
+#include "bitdelta/error.h"
+
+using namespace bitdelta;
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(what, ": ", cudaGetErrorString(e));
+}
+
+// Median µs of fn(rep) over reps calls (after warm-up), CUDA events around each.
+double time_us(const std::function<void(int)>& fn, int reps, int warmup = 3) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  std::vector<cudaEvent_t> ev(2 * size_t(reps));
+  for (auto& e : ev) check(cudaEventCreate(&e), "cudaEventCreate");
+  for (int i = 0; i < reps; ++i) {
+    check(cudaEventRecord(ev[2 * size_t(i)], nullptr), "cudaEventRecord");
+    fn(warmup + i);
+    check(cudaEventRecord(ev[2 * size_t(i) + 1], nullptr), "cudaEventRecord");
+  }
+  check(cudaDeviceSynchronize(), "attention");
+  std::vector<double> t(static_cast<size_t>(reps));
+  for (int i = 0; i < reps; ++i) {
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, ev[2 * size_t(i)], ev[2 * size_t(i) + 1]), "cudaEventElapsedTime");
+    t[size_t(i)] = ms * 1e3;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+struct DeviceBuf {
+  void* p = nullptr;
+  explicit DeviceBuf(size_t bytes) { check(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc"); }
+  ~DeviceBuf() { cudaFree(p); }
+  DeviceBuf(const DeviceBuf&) = delete;
+  DeviceBuf& operator=(const DeviceBuf&) = delete;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+    cudaDeviceProp prop{};
+    check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+    double copy_bw = 0;
+    {
+      const size_t bytes = size_t(2) << 30;
+      DeviceBuf a(bytes), b(bytes);
+      check(cudaMemset(a.p, 1, bytes), "cudaMemset");
+      const double t = time_us([&](int) { check(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice), "copy"); }, 20);
+      copy_bw = 2.0 * double(bytes) / (t * 1e-6);
+      std::printf("device-to-device copy: %.0f GB/s (read + write; the roofline below)\n\n", copy_bw / 1e9);
+    }
+    std::printf("%-18s %5s %6s %-10s %8s %9s %8s %7s\n", "heads/kv/dim", "rows", "n", "per block", "time_us", "MB",
+                "GB/s", "roof/t");
+    struct Config {
+      int heads, kv_heads, head_dim;
+    };
+    const std::vector<Config> configs = quick ? std::vector<Config>{{32, 32, 128}}
+                                              : std::vector<Config>{{32, 32, 128}, {32, 8, 128}};
+    const std::vector<int> row_counts = quick ? std::vector<int>{1, 32} : std::vector<int>{1, 8, 32, 64};
+    const std::vector<int> lengths = quick ? std::vector<int>{520} : std::vector<int>{520, 2048, 8192};
+    for (const Config& cf : configs) {
+      const int kv_dim = cf.kv_heads * cf.head_dim, q_dim = cf.heads * cf.head_dim;
+      for (const int n : lengths) {
+        for (const int rows : row_counts) {
+          const double bytes = double(rows) * n * kv_dim * 2 * 2;
+          // Layers to cycle through: at least 4× L2 of keys and values over them, at most 8.
+          const int layers = int(std::clamp(4.0 * prop.l2CacheSize / bytes + 1, 1.0, 8.0));
+          const size_t per_seq = size_t(layers) * 2 * size_t(n) * kv_dim * 2;  // bf16, capacity n
+          DeviceBuf kv(per_seq * size_t(rows)), q(size_t(rows) * q_dim * 4), out(size_t(rows) * q_dim * 2);
+          check(cudaMemset(kv.p, 0x3c, per_seq * size_t(rows)), "cudaMemset");  // bf16 0x3c3c ≈ 0.0115
+          check(cudaMemset(q.p, 0, size_t(rows) * q_dim * 4), "cudaMemset");
+          std::vector<cuda::RowDesc> desc(static_cast<size_t>(rows));
+          std::vector<int2> tiles(static_cast<size_t>(rows));
+          for (int r = 0; r < rows; ++r) {
+            desc[size_t(r)] = {0, n - 1, n, reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(kv.p) + size_t(r) * per_seq),
+                               nullptr, nullptr, nullptr};
+            tiles[size_t(r)] = make_int2(r, 1);
+          }
+          DeviceBuf ddesc(desc.size() * sizeof(cuda::RowDesc)), dtiles(tiles.size() * sizeof(int2));
+          check(cudaMemcpy(ddesc.p, desc.data(), desc.size() * sizeof(cuda::RowDesc), cudaMemcpyHostToDevice), "copy");
+          check(cudaMemcpy(dtiles.p, tiles.data(), tiles.size() * sizeof(int2), cudaMemcpyHostToDevice), "copy");
+          const float scale = 1.0f / std::sqrt(float(cf.head_dim));
+          const std::vector<std::pair<std::string, int>> forms = {
+              {"auto", 0}, {"128", 128}, {"256", 256}, {"512", 512}, {"whole", n}};
+          for (const auto& [name, split_len] : forms) {
+            if (split_len > n && name != "whole") continue;
+            const double t = time_us(
+                [&](int rep) {
+                  cuda::attention(static_cast<const float*>(q.p), q_dim, static_cast<const cuda::RowDesc*>(ddesc.p),
+                                  static_cast<const int2*>(dtiles.p), rows, 1, n - 1, rep % layers, cf.heads,
+                                  cf.kv_heads, cf.head_dim, scale, static_cast<__nv_bfloat16*>(out.p), nullptr,
+                                  split_len);
+                },
+                quick ? 20 : 40);
+            char shape[32];
+            std::snprintf(shape, sizeof shape, "%d/%d/%d", cf.heads, cf.kv_heads, cf.head_dim);
+            std::printf("%-18s %5d %6d %-10s %8.2f %9.1f %8.0f %7.3f\n", shape, rows, n, name.c_str(), t, bytes / 1e6,
+                        bytes / (t * 1e-6) / 1e9, bytes / copy_bw / (t * 1e-6));
+          }
+        }
+      }
+    }
+    std::printf(
+        "\ncolumns: n = positions attended (the row's position + 1); per block = positions per thread block "
+        "(auto: the engine's choice); time = median µs; MB = keys and values read once; roof/t = (MB / copy "
+        "bandwidth) / time\n");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_gpu_attention: %s\n", e.what());
+    return 1;
+  }
+}
