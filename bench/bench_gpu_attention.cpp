@@ -7,7 +7,9 @@
 // bandwidth (read + write) measured in the same run. Each timed call reads the next of several
 // layers, so that a case's bytes do not sit in L2 between calls (as in a decode step). Forms: the
 // positions per block the engine chooses (auto), and fixed 128 (one 32-position chunk per warp: the
-// form before part 9), 256, 512 and the whole row (one block per row and head).
+// form before part 9), 256, 512 and the whole row (one block per row and head); with grouped-query
+// heads also one q head per block ("auto, 1 head") and as many of a kv head as fit ("auto, grouped":
+// 4 with head_dim 128); auto takes one of the two.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -76,7 +78,7 @@ int main(int argc, char** argv) {
       copy_bw = 2.0 * double(bytes) / (t * 1e-6);
       std::printf("device-to-device copy: %.0f GB/s (read + write; the roofline below)\n\n", copy_bw / 1e9);
     }
-    std::printf("%-18s %5s %6s %-10s %8s %9s %8s %7s\n", "heads/kv/dim", "rows", "n", "per block", "time_us", "MB",
+    std::printf("%-18s %5s %6s %-12s %8s %9s %8s %7s\n", "heads/kv/dim", "rows", "n", "per block", "time_us", "MB",
                 "GB/s", "roof/t");
     struct Config {
       int heads, kv_heads, head_dim;
@@ -107,21 +109,28 @@ int main(int argc, char** argv) {
           check(cudaMemcpy(ddesc.p, desc.data(), desc.size() * sizeof(cuda::RowDesc), cudaMemcpyHostToDevice), "copy");
           check(cudaMemcpy(dtiles.p, tiles.data(), tiles.size() * sizeof(int2), cudaMemcpyHostToDevice), "copy");
           const float scale = 1.0f / std::sqrt(float(cf.head_dim));
-          const std::vector<std::pair<std::string, int>> forms = {
-              {"auto", 0}, {"128", 128}, {"256", 256}, {"512", 512}, {"whole", n}};
-          for (const auto& [name, split_len] : forms) {
+          struct Form {
+            std::string name;
+            int split_len, split_heads;
+          };
+          std::vector<Form> forms = {{"auto", 0, 0}, {"128", 128, 0}, {"256", 256, 0}, {"512", 512, 0}, {"whole", n, 0}};
+          if (cf.heads != cf.kv_heads) {
+            forms.push_back({"auto, 1 head", 0, 1});
+            forms.push_back({"auto, grouped", 0, 8});
+          }
+          for (const auto& [name, split_len, split_heads] : forms) {
             if (split_len > n && name != "whole") continue;
             const double t = time_us(
                 [&](int rep) {
                   cuda::attention(static_cast<const float*>(q.p), q_dim, static_cast<const cuda::RowDesc*>(ddesc.p),
                                   static_cast<const int2*>(dtiles.p), rows, 1, n - 1, rep % layers, cf.heads,
                                   cf.kv_heads, cf.head_dim, scale, static_cast<__nv_bfloat16*>(out.p), nullptr,
-                                  split_len);
+                                  split_len, split_heads);
                 },
                 quick ? 20 : 40);
             char shape[32];
             std::snprintf(shape, sizeof shape, "%d/%d/%d", cf.heads, cf.kv_heads, cf.head_dim);
-            std::printf("%-18s %5d %6d %-10s %8.2f %9.1f %8.0f %7.3f\n", shape, rows, n, name.c_str(), t, bytes / 1e6,
+            std::printf("%-18s %5d %6d %-12s %8.2f %9.1f %8.0f %7.3f\n", shape, rows, n, name.c_str(), t, bytes / 1e6,
                         bytes / (t * 1e-6) / 1e9, bytes / copy_bw / (t * 1e-6));
           }
         }

@@ -120,8 +120,11 @@ TEST_F(GpuOps, EmbeddingGatherAndRmsnormWithResidualAdd) {
 // four decode rows also go alone (tiles of one row: positions split over blocks, 3 splits at 299).
 TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
   // head_dim 96 (3 dims per lane): decode rows alone take the one-row tile kernel, not the split one.
+  // The split kernel's q heads per block: 4 (32/8), 2 (4/2), 1 (8/8), 8 (16/2 and 8/1, the latter with
+  // 8 dims per lane).
   for (const auto& [heads, kv_heads, head_dim] :
-       {std::tuple{32, 8, 128}, std::tuple{4, 2, 48}, std::tuple{8, 8, 64}, std::tuple{4, 4, 96}}) {
+       {std::tuple{32, 8, 128}, std::tuple{4, 2, 48}, std::tuple{8, 8, 64}, std::tuple{4, 4, 96}, std::tuple{16, 2, 64},
+        std::tuple{8, 1, 256}}) {
     SCOPED_TRACE(testing::Message() << heads << " heads, " << kv_heads << " kv heads, head_dim " << head_dim);
     const int layers = 3, layer = 1, hidden = 64;
     const int q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
@@ -182,14 +185,15 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     // The decode rows (the first 4, tiles 0–3 of one row each) alone: with the positions per block
     // chosen (twice: the split counters must be back at zero after a launch), then for position 299
     // (10 chunks of 32) 128 (3 splits of 3–4 chunks, one per warp), 160 (2 splits of 5, two for warp
-    // 0) and 4096 (one split, 3 chunks for warps 0 and 1).
+    // 0) and 4096 (one split, 3 chunks for warps 0 and 1); with one q head per block (what is chosen
+    // for so few rows) and with as many of a kv head as the kernel takes (split_heads 8).
     const int n_decode = 4;
-    const int split_lens[] = {0, 0, 128, 160, 4096};
+    const std::pair<int, int> forms[] = {{0, 0}, {0, 0}, {128, 0}, {160, 0}, {4096, 0}, {0, 8}, {160, 8}, {4096, 8}};
     std::vector<std::unique_ptr<Buf<__nv_bfloat16>>> out_decode;
-    for (const int split_len : split_lens) {
+    for (const auto [split_len, split_heads] : forms) {
       out_decode.push_back(std::make_unique<Buf<__nv_bfloat16>>(size_t(n_decode) * q_dim));
       cuda::attention(dq.p, q_dim, ddesc.p, dtiles.p, n_decode, 1, 299, layer, heads, kv_heads, head_dim, scale,
-                      out_decode.back()->p, nullptr, split_len);
+                      out_decode.back()->p, nullptr, split_len, split_heads);
     }
     CUDA_OK(cudaDeviceSynchronize());
 
@@ -231,7 +235,8 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     }
     check_close(to_f32(out.get()), want_out, 5e-3, "attention (bf16 out)");
     for (size_t i = 0; i < out_decode.size(); ++i) {
-      const std::string what = "attention, decode rows, split_len " + std::to_string(split_lens[i]);
+      const std::string what = "attention, decode rows, split_len " + std::to_string(forms[i].first) + ", heads " +
+                               std::to_string(forms[i].second);
       check_close(to_f32(out_decode[i]->get()),
                   std::vector<float>(want_out.begin(), want_out.begin() + long(n_decode) * q_dim), 5e-3, what.c_str());
     }

@@ -290,14 +290,18 @@ __device__ __forceinline__ void transpose_sum(float (&d)[32], int lane) {
     d[k] = keep + __shfl_xor_sync(0xffffffffu, send, W);
   }
 }
-template <int DPL>
+// G: q heads per block, all of one kv head (grouped-query attention), so that each key and value
+// row is read once for the G of them; their queries are in shared memory, their scores and sums in
+// registers (1, 2, 4 or 8: max_split_heads).
+template <int DPL, int G>
 __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const float* q, int q_stride,
                                                                            const RowDesc* rows, int layer,
                                                                            int heads, int kv_heads, int head_dim,
                                                                            float scale, int split_len, float* part,
                                                                            unsigned* arrived, int max_splits,
                                                                            __nv_bfloat16* out) {
-  const int h = blockIdx.x, r = blockIdx.y, sp = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int hg = blockIdx.x, r = blockIdx.y, sp = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int h0 = hg * G;  // the block's q heads: h0 .. h0 + G − 1
   const RowDesc row = rows[r];
   const int n = row.position + 1, splits = (n + split_len - 1) / split_len;
   if (sp >= splits) return;  // the whole block
@@ -305,25 +309,29 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
   // least one each (split_len ≥ 32, so splits ≤ chunks).
   const int chunks = (n + kChunk - 1) / kChunk;
   const int chunk_begin = sp * chunks / splits, chunk_end = (sp + 1) * chunks / splits;
-  const int kv_dim = kv_heads * head_dim, kvh = h / (heads / kv_heads);
+  const int kv_dim = kv_heads * head_dim, kvh = h0 / (heads / kv_heads);
   const size_t stride = size_t(kv_dim);  // between positions
   const __nv_bfloat16* kbase = row.kv + kv_index(layer, 0, 0, size_t(row.kv_capacity), kv_dim) + size_t(kvh) * head_dim;
   const __nv_bfloat16* vbase = row.kv + kv_index(layer, 1, 0, size_t(row.kv_capacity), kv_dim) + size_t(kvh) * head_dim;
 
-  // Lane ℓ holds dims DPL·ℓ .. DPL·ℓ + DPL − 1 of q (scaled), and of each key and value it reads: one
-  // coalesced load of 2·DPL bytes per position (a key or value row in one instruction of the warp).
+  // Lane ℓ holds dims DPL·ℓ .. DPL·ℓ + DPL − 1 of each key and value it reads (one coalesced load of
+  // 2·DPL bytes per position: a key or value row in one instruction of the warp), and reads the
+  // same dims of the G queries (scaled) from shared memory.
   static_assert(DPL == 2 || DPL == 4 || DPL == 8);
+  static_assert(G == 1 || G == 2 || G == 4 || G == 8);
   using Raw = std::conditional_t<DPL == 2, uint32_t, std::conditional_t<DPL == 4, uint2, uint4>>;
   const bool dims_valid = DPL * lane < head_dim;
-  float qv[DPL];
-#pragma unroll
-  for (int j = 0; j < DPL; ++j)
-    qv[j] = dims_valid ? q[size_t(r) * q_stride + size_t(h) * head_dim + DPL * lane + j] * scale : 0.0f;
-  __shared__ float p_s[kSplitWarps][32];
+  __shared__ float q_s[G][DPL * 32];
+  __shared__ float p_s[kSplitWarps][G][32];
+  for (int i = threadIdx.x; i < G * DPL * 32; i += blockDim.x) {
+    const int g = i / (DPL * 32), d = i % (DPL * 32);
+    q_s[g][d] = d < head_dim ? q[size_t(r) * q_stride + size_t(h0 + g) * head_dim + d] * scale : 0.0f;
+  }
+  __syncthreads();
 
-  // Chunk c's keys (all 32) and values (VB at a time: all 32 but with DPL 8, for registers); rows
+  // Chunk c's keys (all 32) and values (VB at a time: all 32 but where registers are short); rows
   // past the last position repeat it (loaded, never used).
-  constexpr int VB = DPL == 8 ? 16 : 32;
+  constexpr int VB = DPL == 8 || G > 1 ? 16 : 32;
   Raw kraw[32], vraw[VB];
   const auto at = [&](const __nv_bfloat16* base, int c, int e) {
     return reinterpret_cast<const Raw*>(base + size_t(min(c * kChunk + e, n - 1)) * stride + DPL * lane);
@@ -336,66 +344,87 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
 #pragma unroll
     for (int e = 0; e < VB; ++e) vraw[e] = dims_valid ? __ldg(at(vbase, c, u0 + e)) : Raw{};
   };
-  // With 8 dims per lane the next chunk's keys do not fit beside this chunk's values: they load at
-  // the top of their own chunk.
-  constexpr bool kPrefetchKeys = DPL <= 4;
+  // With 8 dims per lane, or several heads, the next chunk's keys do not fit beside this chunk's
+  // values: they load at the top of their own chunk (spills otherwise).
+  constexpr bool kPrefetchKeys = DPL <= 4 && G == 1;
   int c = chunk_begin + warp;
   if (c < chunk_end) {
     if (kPrefetchKeys) load_keys(c);
     load_values(c, 0);
   }
-  float m = -INFINITY, l = 0.0f, acc[DPL];
+  float m[G], l[G], acc[G][DPL];
 #pragma unroll
-  for (int j = 0; j < DPL; ++j) acc[j] = 0.0f;
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY, l[g] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) acc[g][j] = 0.0f;
+  }
   for (; c < chunk_end; c += kSplitWarps) {
     const int count = min(kChunk, n - c * kChunk), next = c + kSplitWarps;
     if (!kPrefetchKeys) load_keys(c);
-    // Partial dot products over this lane's dims, then a transposing reduction: at step w, the lanes
-    // with bit w set keep the upper half of their positions and the others the lower half, each
-    // adding its partner's (lane ^ w) share; after 16 + 8 + 4 + 2 + 1 shuffles lane t holds position
-    // t's score.
-    float dots[32];
+    // Per head: partial dot products over this lane's dims, then a transposing reduction: at step w,
+    // the lanes with bit w set keep the upper half of their positions and the others the lower
+    // half, each adding its partner's (lane ^ w) share; after 16 + 8 + 4 + 2 + 1 shuffles lane t
+    // holds position t's score.
+    float score[G];
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {
-      const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&kraw[e]);
-      float dot = 0.0f;
+    for (int g = 0; g < G; ++g) {
+      float qv[DPL];
 #pragma unroll
-      for (int j = 0; j < DPL / 2; ++j) {
-        const float2 f = __bfloat1622float2(k2[j]);
-        dot += qv[2 * j] * f.x + qv[2 * j + 1] * f.y;
+      for (int j = 0; j < DPL; ++j) qv[j] = q_s[g][DPL * lane + j];
+      float dots[32];
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&kraw[e]);
+        float dot = 0.0f;
+#pragma unroll
+        for (int j = 0; j < DPL / 2; ++j) {
+          const float2 f = __bfloat1622float2(k2[j]);
+          dot += qv[2 * j] * f.x + qv[2 * j + 1] * f.y;
+        }
+        dots[e] = dot;
       }
-      dots[e] = dot;
+      transpose_sum<16>(dots, lane);
+      transpose_sum<8>(dots, lane);
+      transpose_sum<4>(dots, lane);
+      transpose_sum<2>(dots, lane);
+      transpose_sum<1>(dots, lane);
+      score[g] = dots[0];
     }
     if (kPrefetchKeys && next < chunk_end) load_keys(next);  // in flight during this chunk's softmax and values
-    transpose_sum<16>(dots, lane);
-    transpose_sum<8>(dots, lane);
-    transpose_sum<4>(dots, lane);
-    transpose_sum<2>(dots, lane);
-    transpose_sum<1>(dots, lane);
-    // Online softmax: the running max m (finite after the first chunk), sum l and acc rescaled.
+    // Online softmax per head: the running max m (finite after the first chunk), sum l and acc
+    // rescaled.
     const bool valid = lane < count;
-    float cmax = valid ? dots[0] : -INFINITY;
-    for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
-    const float mn = fmaxf(m, cmax), corr = expf(m - mn);  // m = −∞ at the first chunk: corr 0
-    const float pv = valid ? expf(dots[0] - mn) : 0.0f;
-    p_s[warp][lane] = pv;
-    l = l * corr + warp_sum(pv);
-    m = mn;
 #pragma unroll
-    for (int j = 0; j < DPL; ++j) acc[j] *= corr;
+    for (int g = 0; g < G; ++g) {
+      float cmax = valid ? score[g] : -INFINITY;
+      for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
+      const float mn = fmaxf(m[g], cmax), corr = expf(m[g] - mn);  // m = −∞ at the first chunk: corr 0
+      const float pv = valid ? expf(score[g] - mn) : 0.0f;
+      p_s[warp][g][lane] = pv;
+      l[g] = l[g] * corr + warp_sum(pv);
+      m[g] = mn;
+#pragma unroll
+      for (int j = 0; j < DPL; ++j) acc[g][j] *= corr;
+    }
     __syncwarp();
     for (int u0 = 0; u0 < count; u0 += VB) {
       if (u0 > 0) load_values(c, u0);
 #pragma unroll
       for (int e = 0; e < VB; ++e) {
         if (u0 + e >= count) break;
-        const float pu = p_s[warp][u0 + e];
         const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&vraw[e]);
+        float vf[DPL];
 #pragma unroll
         for (int j = 0; j < DPL / 2; ++j) {
           const float2 f = __bfloat1622float2(v2[j]);
-          acc[2 * j] += pu * f.x;
-          acc[2 * j + 1] += pu * f.y;
+          vf[2 * j] = f.x, vf[2 * j + 1] = f.y;
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float pu = p_s[warp][g][u0 + e];
+#pragma unroll
+          for (int j = 0; j < DPL; ++j) acc[g][j] += pu * vf[j];
         }
       }
     }
@@ -403,73 +432,108 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
     if (next < chunk_end) load_values(next, 0);
   }
 
-  // The block's warps merged: (M, L, Σ acc·e^(m − M)).
-  __shared__ float sm_m[kSplitWarps], sm_l[kSplitWarps], sm_acc[kSplitWarps][DPL * 32];
+  // The block's warps merged per head: (M, L, Σ acc·e^(m − M)). −∞ and 0 for a warp without a chunk.
+  __shared__ float sm_m[kSplitWarps][G], sm_l[kSplitWarps][G], sm_acc[kSplitWarps][G][DPL * 32];
+  __shared__ float mx_s[G], total_s[G];
   __shared__ bool last;
-  if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;  // −∞ and 0 for a warp without a chunk
+  if (lane == 0)
 #pragma unroll
-  for (int j = 0; j < DPL; ++j) sm_acc[warp][DPL * lane + j] = acc[j];
+    for (int g = 0; g < G; ++g) sm_m[warp][g] = m[g], sm_l[warp][g] = l[g];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) sm_acc[warp][g][DPL * lane + j] = acc[g][j];
   __syncthreads();
-  float mx = -INFINITY;
-  for (int w = 0; w < kSplitWarps; ++w) mx = fmaxf(mx, sm_m[w]);  // finite: warp 0 has a chunk
-  float total = 0.0f;
-  for (int w = 0; w < kSplitWarps; ++w) total += sm_m[w] == -INFINITY ? 0.0f : sm_l[w] * expf(sm_m[w] - mx);
-  const auto merged = [&](int d) {
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float mx = -INFINITY;
+    for (int w = 0; w < kSplitWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);  // finite: warp 0 has a chunk
+    float total = 0.0f;
+    for (int w = 0; w < kSplitWarps; ++w) total += sm_m[w][g] == -INFINITY ? 0.0f : sm_l[w][g] * expf(sm_m[w][g] - mx);
+    mx_s[g] = mx, total_s[g] = total;
+  }
+  __syncthreads();
+  const auto merged = [&](int g, int d) {
     float sum = 0.0f;
     for (int w = 0; w < kSplitWarps; ++w)
-      if (sm_m[w] != -INFINITY) sum += sm_acc[w][d] * expf(sm_m[w] - mx);
+      if (sm_m[w][g] != -INFINITY) sum += sm_acc[w][g][d] * expf(sm_m[w][g] - mx_s[g]);
     return sum;
   };
-  __nv_bfloat16* o = out + (size_t(r) * heads + h) * head_dim;
+  // Items i = g·head_dim + d of the block's G heads (contiguous in out and, per head, in part).
+  __nv_bfloat16* o = out + (size_t(r) * heads + h0) * head_dim;
   if (splits == 1) {
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = __float2bfloat16(merged(d) / total);
+    for (int i = threadIdx.x; i < G * head_dim; i += blockDim.x) {
+      const int g = i / head_dim, d = i % head_dim;
+      o[i] = __float2bfloat16(merged(g, d) / total_s[g]);
+    }
     return;
   }
-  const int pitch = DPL * 32 + 2;  // floats per split: max, sum, then the dims
-  float* mine = part + ((size_t(r) * heads + h) * max_splits + sp) * pitch;
-  if (threadIdx.x == 0) mine[0] = mx, mine[1] = total;
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) mine[2 + d] = merged(d);
+  const int pitch = DPL * 32 + 2;  // floats per head and split: max, sum, then the dims
+  const auto part_of = [&](int g, int split) { return part + ((size_t(r) * heads + h0 + g) * max_splits + split) * pitch; };
+  if (threadIdx.x < G) part_of(threadIdx.x, sp)[0] = mx_s[threadIdx.x], part_of(threadIdx.x, sp)[1] = total_s[threadIdx.x];
+  for (int i = threadIdx.x; i < G * head_dim; i += blockDim.x) {
+    const int g = i / head_dim, d = i % head_dim;
+    part_of(g, sp)[2 + d] = merged(g, d);
+  }
   __threadfence();  // each thread's part before the block's arrival
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned* count_at = arrived + size_t(r) * heads + h;
+    unsigned* count_at = arrived + size_t(r) * (heads / G) + hg;
     last = atomicAdd(count_at, 1u) == unsigned(splits - 1);
     if (last) *count_at = 0;  // for the next launch
   }
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const float* all = part + (size_t(r) * heads + h) * max_splits * pitch;
-  float gm = -INFINITY;
-  for (int i = 0; i < splits; ++i) gm = fmaxf(gm, __ldcg(all + size_t(i) * pitch));
-  float gl = 0.0f;
-  for (int i = 0; i < splits; ++i) gl += __ldcg(all + size_t(i) * pitch + 1) * expf(__ldcg(all + size_t(i) * pitch) - gm);
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float gm = -INFINITY;
+    for (int i = 0; i < splits; ++i) gm = fmaxf(gm, __ldcg(part_of(g, i)));
+    float gl = 0.0f;
+    for (int i = 0; i < splits; ++i) gl += __ldcg(part_of(g, i) + 1) * expf(__ldcg(part_of(g, i)) - gm);
+    mx_s[g] = gm, total_s[g] = gl;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * head_dim; i += blockDim.x) {
+    const int g = i / head_dim, d = i % head_dim;
     float sum = 0.0f;
-    for (int i = 0; i < splits; ++i)
-      sum += __ldcg(all + size_t(i) * pitch + 2 + d) * expf(__ldcg(all + size_t(i) * pitch) - gm);
-    o[d] = __float2bfloat16(sum / gl);
+    for (int s2 = 0; s2 < splits; ++s2) sum += __ldcg(part_of(g, s2) + 2 + d) * expf(__ldcg(part_of(g, s2)) - mx_s[g]);
+    o[i] = __float2bfloat16(sum / total_s[g]);
   }
 }
 
-// The split kernel's resident blocks on the current device (one wave; cached per device).
-int split_blocks_wave(int dpl) {
+// The split kernel's instance for dpl dims per lane and g heads per block.
+// The most heads per block without spilling registers: 8 with 2 dims per lane, 4 with 4, 1 with 8.
+constexpr int max_split_heads(int dpl) { return dpl == 2 ? 8 : dpl == 4 ? 4 : 1; }
+template <int D>
+const void* split_kernel_for(int g) {
+  if constexpr (max_split_heads(D) >= 8)
+    if (g == 8) return reinterpret_cast<const void*>(attention_split_kernel<D, 8>);
+  if constexpr (max_split_heads(D) >= 4)
+    if (g == 4) return reinterpret_cast<const void*>(attention_split_kernel<D, 4>);
+  if constexpr (max_split_heads(D) >= 2)
+    if (g == 2) return reinterpret_cast<const void*>(attention_split_kernel<D, 2>);
+  return reinterpret_cast<const void*>(attention_split_kernel<D, 1>);
+}
+const void* split_kernel(int dpl, int g) {
+  return dpl == 2 ? split_kernel_for<2>(g) : dpl == 4 ? split_kernel_for<4>(g) : split_kernel_for<8>(g);
+}
+
+// Its resident blocks on the current device (one wave; cached per device and instance).
+int split_blocks_wave(int dpl, int g) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices][3];
+  static std::atomic<int> cache[kMaxDevices][3][4];
   int device = 0;
   BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
-  const int slot = dpl == 2 ? 0 : dpl == 4 ? 1 : 2;
-  if (device < kMaxDevices && cache[device][slot].load(std::memory_order_relaxed) > 0)
-    return cache[device][slot].load(std::memory_order_relaxed);
+  const int di = dpl == 2 ? 0 : dpl == 4 ? 1 : 2, gi = g == 1 ? 0 : g == 2 ? 1 : g == 4 ? 2 : 3;
+  if (device < kMaxDevices && cache[device][di][gi].load(std::memory_order_relaxed) > 0)
+    return cache[device][di][gi].load(std::memory_order_relaxed);
   int sms = 0, per_sm = 0;
   BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const void* fn = dpl == 2   ? reinterpret_cast<const void*>(attention_split_kernel<2>)
-                   : dpl == 4 ? reinterpret_cast<const void*>(attention_split_kernel<4>)
-                              : reinterpret_cast<const void*>(attention_split_kernel<8>);
-  BITDELTA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kSplitWarps * 32, 0));
-  const int target = sms * std::max(per_sm, 1);
-  if (device < kMaxDevices) cache[device][slot].store(target, std::memory_order_relaxed);
-  return target;
+  BITDELTA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel(dpl, g), kSplitWarps * 32, 0));
+  const int wave = sms * std::max(per_sm, 1);
+  if (device < kMaxDevices) cache[device][di][gi].store(wave, std::memory_order_relaxed);
+  return wave;
 }
 
 __global__ void swiglu_kernel(const float* gate, const float* up, int stride, int n, __nv_bfloat16* out) {
@@ -517,50 +581,53 @@ void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int
 
 void attention(const float* q, int q_stride, const RowDesc* rows, const int2* tiles, int n_tiles, int max_tile,
                int max_position, int layer, int heads, int kv_heads, int head_dim, float scale,
-               __nv_bfloat16* out, cudaStream_t stream, int split_len) {
+               __nv_bfloat16* out, cudaStream_t stream, int split_len, int split_heads) {
   if (n_tiles == 0) return;
   if (head_dim % 8 || head_dim > 256) fail("cuda::attention: head_dim ", head_dim, " (a multiple of 8, at most 256)");
   const int dpl = (head_dim + 31) / 32;
   // Decode rows only (tile i is row i), at most 65535 (the grid's y), with 2, 4 or 8 dims per lane
   // (head_dim 40–64, 104–128 or 232–256) go to the split kernel.
   if (max_tile <= 1 && n_tiles <= 65535 && (dpl == 2 || dpl == 4 || dpl == 8)) {
+    // q heads per block: with grouped-query attention, the largest of 8, 4, 2 that divides the heads
+    // per kv head (at most max_split_heads), where that still makes at least 2 waves of blocks at the
+    // most splits; else 1. (7B-like 32/8 heads, run 70: 32 rows, 4 heads per block, took 40.4 µs at
+    // 520 positions against 67.5 with 1 and 403 against 751 at 8192; one row 16.9 against 11.5 at
+    // 520, 36.2 against 32.9 at 8192; 8 rows 23.2 against 20.8 at 520, 38.6 against 53.8 at 2048.)
     const int n_max = max_position + 1, chunks_max = (n_max + kChunk - 1) / kChunk;
+    const int most_splits = (chunks_max + kSplitWarps - 1) / kSplitWarps;
+    const int group = heads / kv_heads, most = split_heads > 0 ? std::min(split_heads, max_split_heads(dpl))
+                                                              : max_split_heads(dpl);
+    int g = 1;
+    while (g * 2 <= most && group % (g * 2) == 0) g *= 2;
+    if (split_heads == 0 && g > 1 && int64_t(n_tiles) * (heads / g) * most_splits < 2 * int64_t(split_blocks_wave(dpl, g)))
+      g = 1;
     if (split_len <= 0) {
-      // Splits per row: about one wave of resident blocks over all (row, head) pairs (the nearest
-      // count, at least 1), and at least 4 chunks (one per warp) in each. Splitting costs a merge
-      // and a tail: on the 7B shape at 520 positions (run 68), 8 rows took 25.4 µs unsplit against
-      // 31.7 in 2 splits, 32 rows 82.6 against 102.4; one row 12.5 µs in 5 splits against 17.7.
-      const int pairs = n_tiles * heads, wave = split_blocks_wave(dpl);
+      // Splits per row: about one wave of resident blocks over all (row, head group) pairs (the
+      // nearest count, at least 1), and at least 4 chunks (one per warp) in each. Splitting costs a
+      // merge and a tail: on the 7B shape at 520 positions (run 68), 8 rows took 25.4 µs unsplit
+      // against 31.7 in 2 splits, 32 rows 82.6 against 102.4; one row 12.5 µs in 5 splits against 17.7.
+      const int pairs = n_tiles * (heads / g), wave = split_blocks_wave(dpl, g);
       const int want = (wave + pairs / 2) / pairs;
-      const int splits = std::max(1, std::min(want, (chunks_max + kSplitWarps - 1) / kSplitWarps));
+      const int splits = std::max(1, std::min(want, most_splits));
       split_len = (n_max + splits - 1) / splits;
     }
     split_len = (std::max(split_len, kChunk) + kChunk - 1) / kChunk * kChunk;
-    const int max_splits = (n_max + split_len - 1) / split_len;
-    float* part = nullptr;  // the splits' parts, and a counter per row and head (zero between launches)
-    unsigned* arrived = nullptr;
+    int max_splits = (n_max + split_len - 1) / split_len;
+    float* part = nullptr;  // the splits' parts per head, and a counter per row and head group (zero
+    unsigned* arrived = nullptr;  // between launches)
     if (max_splits > 1) {
       part = static_cast<float*>(stream_scratch(
           ScratchUse::kAttentionParts, stream, size_t(n_tiles) * heads * max_splits * (dpl * 32 + 2) * sizeof(float)));
       arrived = static_cast<unsigned*>(
           stream_scratch(ScratchUse::kAttentionCounters, stream, size_t(n_tiles) * heads * sizeof(unsigned), true));
     }
-    // Heads vary fastest, so that the blocks that run together read neighbouring pieces of the same
-    // positions' rows. It measured the same as rows fastest: 103.5 against 103.0 µs per layer at
-    // batch 32 on the 7B shape (ncu, runs 64–65).
-    const dim3 grid{unsigned(heads), unsigned(n_tiles), unsigned(max_splits)};
-    switch (dpl) {
-#define BITDELTA_SPLIT_CASE(D)                                                                                   \
-  case D:                                                                                                        \
-    attention_split_kernel<D><<<grid, kSplitWarps * 32, 0, stream>>>(q, q_stride, rows, layer, heads,            \
-                                                                     kv_heads, head_dim, scale, split_len, part, \
-                                                                     arrived, max_splits, out);                  \
-    break;
-      BITDELTA_SPLIT_CASE(2)
-      BITDELTA_SPLIT_CASE(4)
-      BITDELTA_SPLIT_CASE(8)
-#undef BITDELTA_SPLIT_CASE
-    }
+    // Head groups vary fastest, so that the blocks that run together read neighbouring pieces of the
+    // same positions' rows. It measured the same as rows fastest: 103.5 against 103.0 µs per layer
+    // at batch 32 on the 7B shape (ncu, runs 64–65).
+    const dim3 grid{unsigned(heads / g), unsigned(n_tiles), unsigned(max_splits)};
+    void* args[] = {&q, &q_stride, &rows, &layer, &heads, &kv_heads, &head_dim, &scale, &split_len, &part,
+                    &arrived, &max_splits, &out};
+    BITDELTA_CUDA_CHECK(cudaLaunchKernel(split_kernel(dpl, g), grid, dim3(kSplitWarps * 32), args, 0, stream));
     BITDELTA_CUDA_CHECK_LAUNCH();
     return;
   }
