@@ -179,6 +179,18 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect("stream ks=" + std::to_string(ks) + "      " + tag, dy.to_host(), ref, 5e-5);
     }
+    {  // x quantized before the call (DecodeOptions::xq), both kernels
+      DeviceBuffer<uint8_t> dq(bcuda::quantized_x_bytes(rows, K));
+      bcuda::quantize_x(xb, rows, K, dq.ptr, nullptr);
+      for (DK kernel : {DK::kRegisters, DK::kStream}) {
+        bcuda::DecodeOptions o{0, 0, kernel};
+        o.xq = dq.ptr;
+        poison(dy.ptr, dy.n);
+        bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
+        BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+        expect(std::string(kernel == DK::kStream ? "stream" : "decode") + " x before  " + tag, dy.to_host(), ref, 5e-5);
+      }
+    }
     poison(dy.ptr, dy.n);
     bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {0, 0, DK::kStream, 2});
     BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());

@@ -168,6 +168,23 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                (ks ? "" : " (default)"),
            t, bytes, t_cublas, "x cuBLAS"});
     }
+    {  // x quantized before the call (as a kernel producing x could leave it): the linear alone, and
+       // the quantizing launch alone
+      DeviceMem xq(bcuda::quantized_x_bytes(1, K));
+      auto* q = static_cast<uint8_t*>(xq.ptr);
+      bcuda::quantize_x(X, 1, K, q, nullptr);
+      bcuda::DecodeOptions o{0, 0, kRegisters};
+      o.xq = q;
+      const double t = time_us(
+          [&](int s) {
+            const DeltaRef d = delta(s, 0);
+            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, o);
+          },
+          reps);
+      add({shape, "a: 1 row 1 variant", "registers, x quantized before", t, bytes, t_cublas, "x cuBLAS"});
+      const double tq = time_us([&](int) { bcuda::quantize_x(X, 1, K, q, nullptr); }, reps);
+      add({shape, "a: quantize x", "quantize_x alone (1 row)", tq, K * 2.0 + double(bcuda::quantized_x_bytes(1, K)), 0, ""});
+    }
     if (stream_runs)
       for (int ks : {0}) {
         const double t = time_us(
@@ -229,6 +246,24 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           },
           reps);
       add({shape, "b: 16 rows 16 variants", form_name(f), t, bytes, roof, "x roofline"});
+    }
+    if (stream_runs) {  // x quantized before the call: the linear alone, and the quantizing launch alone
+      DeviceMem xq(bcuda::quantized_x_bytes(kVariants, K));
+      auto* q = static_cast<uint8_t*>(xq.ptr);
+      bcuda::quantize_x(X, kVariants, K, q, nullptr);
+      bcuda::DecodeOptions o{0, 0, kStream};
+      o.xq = q;
+      const double t = time_us(
+          [&](int s) {
+            DeltaRef d[kVariants];
+            for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v);
+            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, o);
+          },
+          reps);
+      add({shape, "b: 16 rows 16 variants", "stream, x quantized before", t, bytes, roof, "x roofline"});
+      const double tq = time_us([&](int) { bcuda::quantize_x(X, kVariants, K, q, nullptr); }, reps);
+      add({shape, "b: quantize x", "quantize_x alone (16 rows)", tq,
+           kVariants * K * 2.0 + double(bcuda::quantized_x_bytes(kVariants, K)), 0, ""});
     }
     // The same 16 rows of one variant (a decode batch of one fine-tune), and of 8 variants with 2
     // adjacent rows each; slots chosen by the kernel, one per row, and one per variant and 4 rows.

@@ -33,6 +33,7 @@ struct DecodeParams {
   float* y;
   int N, K, KB, rows, k_split, slot_groups, nslots, aligned;
   int base_warps;  // per tile: warps that do the base alone (SPEC kernels), else 0
+  int x_ready;     // xq complete at launch (no programmatic dependent launch)
   // Warp group g of a tile takes slots [g·MAXS, g·MAXS + MAXS) (those below nslots).
   Slot slots[kMaxRows];
   const float* alpha[kMaxRows];  // per row of x; nullptr: no delta
@@ -164,17 +165,17 @@ __device__ __forceinline__ void load_slot_signs(const uint4* const (&sgn)[MS], i
   }
 }
 
-// The bit-plane fragments and scales of a block for the rows of a warp's slots. Not .nc: written by
-// the prerequisite launch.
+// The bit-plane fragments and (scale, Σq) of a block for the rows of a warp's slots. Not .nc: written
+// by the prerequisite launch.
 template <int MAXS, int MS, int RS>
 __device__ __forceinline__ void load_slot_x(const DecodeParams& p, const Slot* slots, int nmine, int kb, int lane,
-                                            uint4 (&xbf)[MS][RS], float (&sc)[MS][RS]) {
+                                            uint4 (&xbf)[MS][RS], float2 (&sc)[MS][RS]) {
   // Block kb (quantized_x_block): (scale, Σq) per row, then the rows' bit-plane fragments.
   const uint4* planes = reinterpret_cast<const uint4*>(p.xq + kQuantizedPlanes);
   const float2* scales = reinterpret_cast<const float2*>(p.xq);
   for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int r) {
     xbf[s][i] = __ldcg(planes + (size_t(kb) * (p.xq_block >> 4) + r * 32 + lane));
-    sc[s][i] = __ldcg(&scales[size_t(kb) * (p.xq_block >> 3) + r].x);
+    sc[s][i] = __ldcg(&scales[size_t(kb) * (p.xq_block >> 3) + r]);
   });
 }
 
@@ -221,6 +222,18 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
 
   float acc[RG][4] = {};
   float dacc[MS][RS][2] = {};  // per slot row: this lane's part of rows gid and gid + 8 of the tile
+  // With one slot row per warp (more would spill), what the end needs besides the sums is ready
+  // there, not a round trip to memory after the warp's last block: α of this lane's tile rows (gid,
+  // gid + 8), loaded now, and Σ over the warp's blocks of scale·Σq, summed as the blocks come.
+  constexpr bool kEarly = MS * RS == 1;
+  float sq[MS][RS] = {};  // per slot row (every lane)
+  float al[MS][RS][2] = {};
+  const auto load_alpha = [&](int s, int i, int r) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      al[s][i][h] = __ldg(p.alpha[r] + (p.alpha_per_row[r] ? min(n0 + gid + 8 * h, N - 1) : 0));
+  };
+  if (kEarly) for_slot_rows<MAXS, RS>(slots, nmine, load_alpha);
   // Each warp walks a contiguous range of 256-column blocks. Combined form, per block: W's first
   // batch of two 64-column steps, the loads of its slots (the sign fragment, and per row its
   // bit-plane fragment and scale), the rest of the base over the warp's share [bb_begin, bb_end)
@@ -248,7 +261,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
       constexpr int kDU = MS * RS > 4 ? 1 : 2;  // (2 spilled with 2 slots of 4 rows)
       for (int kb0 = kb_begin; kb0 < kb_end; kb0 += kDU) {
         uint4 sa[kDU][MS], xbf[kDU][MS][RS];
-        float sc[kDU][MS][RS];
+        float2 sc[kDU][MS][RS];
 #pragma unroll
         for (int d = 0; d < kDU; ++d) {
           const int kb = min(kb0 + d, kb_end - 1);
@@ -260,7 +273,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
         for (int d = 0; d < kDU; ++d) {
           if (kb0 + d >= kb_end) break;
           for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int) {
-            delta_block(sa[d][s], xbf[d][s][i], sc[d][s][i], pw, dacc[s][i]);
+            delta_block(sa[d][s], xbf[d][s][i], sc[d][s][i].x, pw, dacc[s][i]);
+            if (kEarly) sq[s][i] += sc[d][s][i].x * sc[d][s][i].y;
           });
         }
       }
@@ -277,15 +291,16 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
       // W's first batch goes out before the slots' loads.
       if (has_base) load_batch(0);
       uint4 sa[MS], xbf[MS][RS];
-      float sc[MS][RS];
+      float2 sc[MS][RS];
       // The slots' x fragments: with one row per slot, loaded with the signs (in flight during the
       // base); with 4 rows per slot, after the base (fewer registers live across it). In the first
-      // block, after its base too: the wait for the quantized x falls after a block of W's stream
-      // instead of stalling it (the signs do not depend on that launch).
+      // block, while the quantizing launch may still run, after its base too: the wait for the
+      // quantized x falls after a block of W's stream instead of stalling it (the signs do not
+      // depend on that launch).
       const auto load_x = [&]() { load_slot_x<MAXS>(p, slots, nmine, kb, lane, xbf, sc); };
-      const bool first = kb == kb_begin;
+      const bool defer = kb == kb_begin && !p.x_ready;
       load_slot_signs<MAXS>(sgn, nmine, kb, sa);
-      if (RS == 1 && !first) load_x();
+      if (RS == 1 && !defer) load_x();
       if (has_base) {
         mma_batch(0);
 #pragma unroll 1
@@ -294,10 +309,11 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
           mma_batch(h);
         }
       }
-      if (MAXS > 0 && first) wait_for_prerequisite();
-      if (RS > 1 || first) load_x();
+      if (MAXS > 0 && defer) wait_for_prerequisite();
+      if (RS > 1 || defer) load_x();
       for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int) {
-        delta_block(sa[s], xbf[s][i], sc[s][i], pw, dacc[s][i]);
+        delta_block(sa[s], xbf[s][i], sc[s][i].x, pw, dacc[s][i]);
+        if (kEarly) sq[s][i] += sc[s][i].x * sc[s][i].y;
       });
     }
   }
@@ -316,22 +332,23 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   __syncwarp();
   if (n0 < N)
     for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int r) {
-      // Σ over the warp's blocks of scale·Σq, the lanes taking blocks in turn.
-      float sq = 0.0f;
-      for (int kb = kb_begin + lane; kb < kb_end; kb += 32) {
-        const float2 v =
-            __ldcg(reinterpret_cast<const float2*>(p.xq + size_t(kb) * p.xq_block) + r);
-        sq += v.x * v.y;
+      if (!kEarly) {
+        load_alpha(s, i, r);
+        // Σ over the warp's blocks of scale·Σq, the lanes taking blocks in turn.
+        for (int kb = kb_begin + lane; kb < kb_end; kb += 32) {
+          const float2 v = __ldcg(reinterpret_cast<const float2*>(p.xq + size_t(kb) * p.xq_block) + r);
+          sq[s][i] += v.x * v.y;
+        }
+        for (int o = 16; o; o >>= 1) sq[s][i] += __shfl_xor_sync(0xffffffffu, sq[s][i], o);
       }
-      for (int o = 16; o; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float v = dacc[s][i][h];
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         v += __shfl_xor_sync(0xffffffffu, v, 2);
-        v = 2.0f * v - sq;
+        v = 2.0f * v - sq[s][i];
         const int nl = gid + 8 * h, n = n0 + nl;
-        if (t == 0 && n < N) yw[r * 16 + nl] += __ldg(p.alpha[r] + (p.alpha_per_row[r] ? n : 0)) * v;
+        if (t == 0 && n < N) yw[r * 16 + nl] += al[s][i][h] * v;
       }
     });
   // Sum the tile's warps, then write y[r][n].
@@ -476,9 +493,11 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
                          variants <= kMaxStreamVariants &&
                          (options.kernel == DecodeKernel::kStream || stream_kernel_preferred(N, K, rows));
   if (!streaming && rows > kMaxRows) {  // the register kernel takes 16 rows at a time
-    fused_linear_decode(w, N, K, x, kMaxRows, deltas.first(kMaxRows), y, stream, options);
+    DecodeOptions each = options;
+    each.xq = nullptr;  // the layout is per launch's rows
+    fused_linear_decode(w, N, K, x, kMaxRows, deltas.first(kMaxRows), y, stream, each);
     return fused_linear_decode(w, N, K, x + size_t(kMaxRows) * K, rows - kMaxRows, deltas.subspan(kMaxRows),
-                               y + size_t(kMaxRows) * N, stream, options);
+                               y + size_t(kMaxRows) * N, stream, each);
   }
   int k_split = options.k_split;
   if (streaming) {
@@ -528,14 +547,15 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   // The rows of x quantized for the delta term go to a scratch buffer of this stream (calls on one
   // stream reuse it in stream order).
   p.xq_block = quantized_x_block(rows);
-  const bool dependent_launch = dependent_launch_supported();
-  void* scratch = p.nslots ? stream_scratch(ScratchUse::kQuantizedX, stream, size_t(p.KB) * p.xq_block) : nullptr;
-  if (p.nslots) {
-    p.xq = static_cast<const uint8_t*>(scratch);
-    const int warps = rows * p.KB * kPrepWarpsPerItem;
-    prepare_x_kernel<<<unsigned((warps + kPrepWarps - 1) / kPrepWarps), kPrepWarps * 32, 0, stream>>>(
-        x, rows, K, p.KB, static_cast<uint8_t*>(scratch), p.xq_block);
-    BITDELTA_CUDA_CHECK_LAUNCH();
+  // Without a quantizing launch before it, the kernel need not start early.
+  const bool dependent_launch = dependent_launch_supported() && !options.xq;
+  if (p.nslots && options.xq) {
+    if (!aligned16(options.xq)) fail("cuda::fused_linear_decode: quantized x not 16-byte aligned");
+    p.xq = options.xq;
+  } else if (p.nslots) {
+    auto* scratch = static_cast<uint8_t*>(stream_scratch(ScratchUse::kQuantizedX, stream, quantized_x_bytes(rows, K)));
+    p.xq = scratch;
+    quantize_x(x, rows, K, scratch, stream);
   }
   if (streaming) {
     StreamArgs a{};
@@ -544,10 +564,21 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     a.y = y, a.k_split = k_split, a.stages = options.stages, a.dependent_launch = dependent_launch;
     return fused_linear_stream(a, stream);
   }
+  p.x_ready = !dependent_launch;  // else the quantizing launch may still run when the kernel starts
   if (rows <= 8)
     launch_slots<1>(p, grouped, dependent_launch, stream);
   else
     launch_slots<2>(p, grouped, dependent_launch, stream);
+}
+
+size_t quantized_x_bytes(int rows, int K) { return size_t(sign_blocks(K)) * quantized_x_block(rows); }
+
+void quantize_x(const __nv_bfloat16* x, int rows, int K, uint8_t* xq, cudaStream_t stream) {
+  if (rows < 1 || rows > kMaxDecodeRows || K < 1) fail("cuda::quantize_x: ", rows, " rows of ", K, " columns");
+  const int KB = sign_blocks(K), warps = rows * KB * kPrepWarpsPerItem;
+  prepare_x_kernel<<<unsigned((warps + kPrepWarps - 1) / kPrepWarps), kPrepWarps * 32, 0, stream>>>(
+      x, rows, K, KB, xq, quantized_x_block(rows));
+  BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
 int decode_default_k_split(int N, int rows) {

@@ -56,6 +56,10 @@ struct DecodeOptions {
   int rows_per_slot = 0;
   DecodeKernel kernel = DecodeKernel::kAuto;
   int stages = 0;  // kStream: ring stages (0 = as many as fit one block per multiprocessor)
+  // x already quantized by quantize_x (these rows, this K; device memory), or null: a launch before
+  // the kernel quantizes it. (Ignored where the register kernel takes more than 16 rows in two
+  // launches.)
+  const uint8_t* xq = nullptr;
 };
 
 // w: [N, K] bf16 row-major; x: [rows, K] bf16; y: [rows, N] f32; all device pointers. deltas[r]
@@ -64,6 +68,12 @@ struct DecodeOptions {
 void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
                          std::span<const DeltaRef> deltas, float* y, cudaStream_t stream,
                          const DecodeOptions& options = {});
+
+// The rows of x quantized for the delta term, as the kernels read them: quantized_x_bytes(rows, K)
+// bytes at xq (device memory, 16-byte aligned). fused_linear_decode does this itself unless
+// DecodeOptions::xq passes its result.
+size_t quantized_x_bytes(int rows, int K);
+void quantize_x(const __nv_bfloat16* x, int rows, int K, uint8_t* xq, cudaStream_t stream);
 
 // The k_split that the register kernel chooses for N output rows and `rows` rows of x (before slot
 // groups take warps).

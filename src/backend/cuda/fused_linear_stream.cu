@@ -43,6 +43,7 @@ struct StreamParams {
   // Units: `whole` tiles over all of K (units 0..whole−1, tiles 0..whole−1), then the other tiles in ks
   // parts of K each (the split ones).
   int N, KB, rows, nvar, nd, whole, ks, units, stages, stage_bytes, tx_bytes, xq_block;
+  int x_ready;  // xq complete at launch (no programmatic dependent launch): no stage waits for it
 };
 
 #ifdef BITDELTA_FUSED_WGMMA
@@ -136,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
       };
       // The first S stages go out before the wait for the quantizing launch, so that W's stream
       // overlaps it; their bit-planes follow it.
-      int it = 0, pending = 0, pending_kb[kMaxStages];
+      int it = 0, pending = p.x_ready ? -1 : 0, pending_kb[kMaxStages];
       for (int u = int(blockIdx.x); u < p.units; u += grid) {
         int n0, kb0, nst;
         unit_range(u, n0, kb0, nst);
@@ -468,6 +469,7 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.nd > 0 && a.dependent_launch ? 1 : 0;
+  p.x_ready = cfg.numAttrs == 0;
   BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernels[BN == 8 ? 0 : BN == 16 ? 1 : 2][nd_index(p.nd)], p));
 }
 
