@@ -156,7 +156,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     const double t_cublas = time_us([&](int s) { cublas_rows(1, s); }, reps);
     add({shape, "a: 1 row base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
     const double bytes = double(wbytes + sbytes) + N * 4.0;
-    for (int ks : {0, 2, 8}) {
+    for (int ks : {0, 2, 4, 8}) {
       const double t = time_us(
           [&](int s) {
             const DeltaRef d = delta(s, 0);

@@ -584,13 +584,17 @@ void quantize_x(const __nv_bfloat16* x, int rows, int K, uint8_t* xq, cudaStream
 int decode_default_k_split(int N, int rows) {
   // Measured (bench/cuda/NOTES.md, run 5 with v6, run 18 with v8): k_split 8 was fastest or within
   // 2% at every benchmark shape, N = 4096..28672: more warps per tile keep more bytes in flight. For
-  // one row, k_split 2 (4 tiles per block) was 2–8% faster where that still gives every
-  // multiprocessor a block (N ≥ 16·4·SMs: 11008 and 28672 rows on an H200; runs 41, 47, 49).
+  // one row, the most warps per tile (8, then 4) that still fits every block in one wave (2 blocks
+  // per multiprocessor), else 2: at 8192 rows 4 took 40.16 µs against 41.22 with 8 (run 76); at
+  // 11008 and 28672 rows 2 was 2–8% faster than 8 (runs 41, 47, 49) and 4 slower than both (run 76).
   if (rows != 1) return kWarps;
   int dev = 0, sms = 0;  // of the current device (the runtime answers from its cache)
   BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
   BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return N / 16 / (kWarps / 2) >= sms ? 2 : kWarps;
+  const int64_t tiles = (int64_t(N) + 15) / 16;
+  for (int ks : {kWarps, kWarps / 2})
+    if ((tiles * ks + kWarps - 1) / kWarps <= 2 * int64_t(sms)) return ks;
+  return 2;
 }
 
 }  // namespace bitdelta::cuda
