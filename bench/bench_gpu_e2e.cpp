@@ -12,7 +12,8 @@
 //   5. TTFT p50/p99 per variant and for the base through the engine, one request at a time.
 // --profile-case NAME runs only the decode cases whose name contains NAME (then stops), with their
 // fourth step between cudaProfilerStart and cudaProfilerStop: `ncu --profile-from-start off` then
-// times each kernel of one decode step.
+// times each kernel of one decode step. With --profile-what prompt, the first sequence's prompt (one
+// step of `prompt` rows) is profiled instead.
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 #include <fcntl.h>
@@ -121,12 +122,12 @@ int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
                  "usage: bench_gpu_e2e DIR [--prompt P] [--decode D] [--batch B] [--requests N] [--out F] "
-                 "[--profile-case NAME]\n");
+                 "[--profile-case NAME [--profile-what step|prompt]]\n");
     return 2;
   }
   const fs::path dir = argv[1];
   size_t prompt = 512, decode = 32, batch = 32, requests = 20;
-  std::string out_path, profile_case;
+  std::string out_path, profile_case, profile_what = "step";
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--out") {
@@ -135,6 +136,14 @@ int main(int argc, char** argv) {
     }
     if (k == "--profile-case") {
       profile_case = argv[i + 1];
+      continue;
+    }
+    if (k == "--profile-what") {
+      profile_what = argv[i + 1];
+      if (profile_what != "step" && profile_what != "prompt") {
+        std::fprintf(stderr, "bench_gpu_e2e: --profile-what takes step or prompt, not %s\n", argv[i + 1]);
+        return 2;
+      }
       continue;
     }
     const size_t v = std::strtoull(argv[i + 1], nullptr, 10);
@@ -263,17 +272,21 @@ int main(int argc, char** argv) {
         const auto t = tokens_of(prompt, s);
         std::vector<ForwardRow> rows;
         for (size_t i = 0; i < t.size(); ++i) rows.push_back({&seqs[s], t[i], i + 1 == t.size()});
+        const bool profile_prompt = profiled && profile_what == "prompt" && s == 0;
+        if (profile_prompt) check(cudaProfilerStart(), "cudaProfilerStart");
         model.forward(rows);
+        if (profile_prompt) check(cudaProfilerStop(), "cudaProfilerStop");
       }
       std::vector<double> times;
       for (size_t step = 0; step < decode; ++step) {
         std::vector<ForwardRow> rows;
         for (size_t s = 0; s < seqs.size(); ++s) rows.push_back({&seqs[s], int32_t((s * 31 + step * 7) % 1000), true});
-        if (profiled && step == 3) check(cudaProfilerStart(), "cudaProfilerStart");
+        const bool profile_step = profiled && profile_what == "step" && step == 3;
+        if (profile_step) check(cudaProfilerStart(), "cudaProfilerStart");
         const auto t0 = Clock::now();
         model.forward(rows);
         if (step >= 2) times.push_back(secs(t0, Clock::now()));
-        if (profiled && step == 3) check(cudaProfilerStop(), "cudaProfilerStop");
+        if (profile_step) check(cudaProfilerStop(), "cudaProfilerStop");
       }
       std::vector<int> distinct(cs.variants);
       std::sort(distinct.begin(), distinct.end());
