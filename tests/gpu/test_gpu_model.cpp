@@ -159,7 +159,7 @@ TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
   };
   std::vector<Plan> plans;
   for (int i = 0; i < 20; ++i) plans.push_back({i % 5, size_t(3 + i), 1});  // decode rows
-  plans.push_back({2, 0, 40});                                               // prefill of a variant
+  plans.push_back({2, 0, 70});  // prefill of a variant (a run of 64 or more rows: attention on GEMMs)
   plans.push_back({0, 5, 35});                                               // prefill of the base
   auto token = [](size_t seq, size_t pos) { return int32_t(5 + (seq * 131 + pos * 17) % 4000); };
   std::vector<Sequence> gs, cs;

@@ -190,7 +190,7 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     const int n_decode = 4;
     const std::pair<int, int> forms[] = {{0, 0}, {0, 0}, {128, 0}, {160, 0}, {4096, 0}, {0, 8}, {160, 8}, {4096, 8}};
     std::vector<std::unique_ptr<Buf<__nv_bfloat16>>> out_decode;
-    for (const auto [split_len, split_heads] : forms) {
+    for (const auto& [split_len, split_heads] : forms) {
       out_decode.push_back(std::make_unique<Buf<__nv_bfloat16>>(size_t(n_decode) * q_dim));
       cuda::attention(dq.p, q_dim, ddesc.p, dtiles.p, n_decode, 1, 299, layer, heads, kv_heads, head_dim, scale,
                       out_decode.back()->p, nullptr, split_len, split_heads);
@@ -241,6 +241,47 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
                   std::vector<float>(want_out.begin(), want_out.begin() + long(n_decode) * q_dim), 5e-3, what.c_str());
     }
   }
+}
+
+// A prompt's run of rows on GEMMs (attention_prompt): 100 rows at positions 150..249 of one sequence,
+// rows 3..102 of q and out, against the CPU over the same bf16 cache.
+TEST_F(GpuOps, AttentionOfAPromptRunOnGemms) {
+  cublasHandle_t handle = nullptr;
+  ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
+  for (const auto& [heads, kv_heads, head_dim] : {std::tuple{32, 8, 128}, std::tuple{8, 8, 64}, std::tuple{6, 2, 40}}) {
+    SCOPED_TRACE(testing::Message() << heads << " heads, " << kv_heads << " kv heads, head_dim " << head_dim);
+    const int layers = 2, layer = 1, cap = 256, p0 = 150, n = 100, first = 3, rows = first + n;
+    const int q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
+    auto cache = randn(size_t(layers) * 2 * cap * kv_dim, 50);
+    for (auto& v : cache) v = round_bf16(v);
+    Buf<__nv_bfloat16> dcache(cache.size());
+    dcache.put(to_bf16(cache));
+    const auto q = randn(size_t(rows) * q_dim, 51, 2.0f);
+    Buf<float> dq(q.size());
+    dq.put(q);
+    Buf<__nv_bfloat16> out(size_t(rows) * q_dim);
+    const float scale = 1.0f / std::sqrt(float(head_dim));
+    const cuda::RowDesc row{0, p0, cap, dcache.p, nullptr, nullptr, nullptr};
+    cuda::attention_prompt(handle, dq.p, q_dim, row, first, n, layer, heads, kv_heads, head_dim, scale, out.p, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto got = to_f32(out.get());
+    std::vector<float> want, have;
+    const size_t keys = size_t(layer) * 2 * cap * kv_dim, values = keys + size_t(cap) * kv_dim;
+    for (int i = 0; i < n; ++i)
+      for (int h = 0; h < heads; ++h) {
+        std::vector<float> o(static_cast<size_t>(head_dim));
+        cpu::attend(&q[size_t(first + i) * q_dim + size_t(h) * head_dim], &cache[keys], &cache[values],
+                    size_t(p0 + i + 1), size_t(kv_dim), size_t(h / (heads / kv_heads) * head_dim), size_t(head_dim),
+                    scale, o.data());
+        want.insert(want.end(), o.begin(), o.end());
+        const float* g = &got[size_t(first + i) * q_dim + size_t(h) * head_dim];
+        have.insert(have.end(), g, g + head_dim);
+      }
+    // q in two bf16 parts (about 2^-16 relative), the probabilities rounded to bf16 (2^-9 each,
+    // averaging out over the positions), and the bf16 output (2^-9).
+    check_close(have, want, 5e-3, "attention of a prompt run (bf16 out)");
+  }
+  cublasDestroy(handle);
 }
 
 TEST_F(GpuOps, SwigluOverTheOutputOfAFusedGateUpLinear) {

@@ -651,17 +651,25 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   }
   const size_t W = want_sorted.size();
   for (size_t j = 0; j < W; ++j) map[j] = int(want_sorted[j]);
-  // Attention tiles: runs of rows of one sequence at consecutive positions, up to kAttnTile each.
+  // Attention: runs of rows of one sequence at consecutive positions. Runs of kPromptRunRows or more
+  // (prompts) go to attention_prompt (GEMMs on the tensor cores); the others are cut into tiles of up
+  // to kAttnTile rows for the attention kernels.
   auto* tiles = reinterpret_cast<int2*>(map + R + (R & 1));  // 8-byte aligned
   int n_tiles = 0, max_tile = 0, max_position = 0;
-  for (size_t i = 0; i < R; ++i) max_position = std::max(max_position, int(desc[i].position));
+  std::vector<int2> prompt_runs;  // (first row, rows)
   for (size_t i = 0; i < R;) {
     size_t e = i + 1;
-    while (e < R && e - i < size_t(kAttnTile) && desc[e].kv == desc[i].kv &&
-           desc[e].position == desc[e - 1].position + 1)
-      ++e;
-    tiles[n_tiles++] = make_int2(int(i), int(e - i));
-    max_tile = std::max(max_tile, int(e - i));
+    while (e < R && desc[e].kv == desc[i].kv && desc[e].position == desc[e - 1].position + 1) ++e;
+    if (e - i >= size_t(kPromptRunRows)) {
+      prompt_runs.push_back(make_int2(int(i), int(e - i)));
+    } else {
+      for (size_t t = i; t < e; t += kAttnTile) {
+        const int rows_t = int(std::min(e - t, size_t(kAttnTile)));
+        tiles[n_tiles++] = make_int2(int(t), rows_t);
+        max_tile = std::max(max_tile, rows_t);
+        max_position = std::max(max_position, int(desc[t + size_t(rows_t) - 1].position));
+      }
+    }
     i = e;
   }
   BITDELTA_CUDA_CHECK(
@@ -694,12 +702,17 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
       bias_rope_store(m.q, m.q + qd, m.q + qd + kvd, qd + 2 * kvd, qd + 2 * kvd, m.rows_dev, int(R), l, heads, kvh,
                       hd, H, m.inv_freq, s);
       attention(m.q, qd + 2 * kvd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, heads, kvh, hd, scale, m.attn, s);
+      for (const int2 run : prompt_runs)
+        attention_prompt(m.prefill->handle(), m.q, qd + 2 * kvd, desc[run.x], run.x, run.y, l, heads, kvh, hd, scale,
+                         m.attn, s);
     } else {
       linear(l, kQ, m.h, H, m.q, qd);
       linear(l, kK, m.h, H, m.k, kvd);
       linear(l, kV, m.h, H, m.v, kvd);
       bias_rope_store(m.q, m.k, m.v, qd, kvd, m.rows_dev, int(R), l, heads, kvh, hd, H, m.inv_freq, s);
       attention(m.q, qd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, heads, kvh, hd, scale, m.attn, s);
+      for (const int2 run : prompt_runs)
+        attention_prompt(m.prefill->handle(), m.q, qd, desc[run.x], run.x, run.y, l, heads, kvh, hd, scale, m.attn, s);
     }
     linear(l, kO, m.attn, qd, m.o, H);
     add_rmsnorm(m.x, m.o, m.rows_dev, nullptr, int(R), H, (2 * l + 1) * H,

@@ -536,6 +536,47 @@ int split_blocks_wave(int dpl, int g) {
   return wave;
 }
 
+// Maximum over the block (as block_sum).
+__device__ float block_max(float v) {
+  __shared__ float partial[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  float m = -INFINITY;
+  for (int w = 0; w < warps; ++w) m = fmaxf(m, partial[w]);
+  return m;
+}
+
+// A prompt run's queries, scaled, as two bf16 parts: hi = bf16(x), lo = bf16(x − hi); [n][q_dim].
+__global__ void split_query_kernel(const float* q, int q_stride, int q_dim, float scale, __nv_bfloat16* hi,
+                                   __nv_bfloat16* lo) {
+  const size_t r = blockIdx.y;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < q_dim; i += gridDim.x * blockDim.x) {
+    const float x = q[r * q_stride + i] * scale;
+    const __nv_bfloat16 h = __float2bfloat16(x);
+    hi[r * q_dim + i] = h;
+    lo[r * q_dim + i] = __float2bfloat16(x - __bfloat162float(h));
+  }
+}
+
+// One row (head, query i) of the scores per block, pitch ld: the softmax over keys [0, p0 + i] in
+// float32, written as bf16 probabilities; 0 for the keys after it (the next GEMM reads them too).
+__global__ void causal_softmax_kernel(const float* scores, int n, int ld, int p0, __nv_bfloat16* probs) {
+  const size_t row = blockIdx.x;  // head·n + i
+  const int valid = p0 + int(row % size_t(n)) + 1;
+  const float* sr = scores + row * ld;
+  __nv_bfloat16* pr = probs + row * ld;
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < valid; j += blockDim.x) m = fmaxf(m, sr[j]);
+  m = block_max(m);
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j < valid; j += blockDim.x) sum += expf(sr[j] - m);
+  const float inv = 1.0f / block_sum(sum);
+  for (int j = threadIdx.x; j < ld; j += blockDim.x) pr[j] = __float2bfloat16(j < valid ? expf(sr[j] - m) * inv : 0.0f);
+}
+
 __global__ void swiglu_kernel(const float* gate, const float* up, int stride, int n, __nv_bfloat16* out) {
   const size_t r = blockIdx.y;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -657,6 +698,52 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
   else
     go(std::integral_constant<int, kAttnTile>{});
   BITDELTA_CUDA_CHECK_LAUNCH();
+}
+
+void attention_prompt(cublasHandle_t handle, const float* q, int q_stride, const RowDesc& row, int first, int n,
+                      int layer, int heads, int kv_heads, int head_dim, float scale, __nv_bfloat16* out,
+                      cudaStream_t stream) {
+  if (n <= 0) return;
+  if (head_dim % 8 || kv_heads < 1 || heads % kv_heads)
+    fail("cuda::attention_prompt: ", heads, " heads, ", kv_heads, " kv heads of ", head_dim, " (a multiple of 8)");
+  const int q_dim = heads * head_dim, kv_dim = kv_heads * head_dim, g = heads / kv_heads;
+  const __nv_bfloat16* keys = row.kv + kv_index(layer, 0, 0, size_t(row.kv_capacity), kv_dim);
+  const __nv_bfloat16* values = row.kv + kv_index(layer, 1, 0, size_t(row.kv_capacity), kv_dim);
+  // Rows in pieces whose scores and probabilities fit 256 MB (each row's attention is independent).
+  const int ld_all = (row.position + n + 7) / 8 * 8;
+  const size_t per_row = size_t(heads) * ld_all * (sizeof(float) + sizeof(__nv_bfloat16));
+  const int piece = int(std::clamp<size_t>((size_t(256) << 20) / per_row, 1, size_t(n)));
+  const float one = 1.0f, zero = 0.0f;
+  for (int i0 = 0; i0 < n; i0 += piece) {
+    const int m = std::min(piece, n - i0), p0 = row.position + i0, nkeys = p0 + m, ld = (nkeys + 7) / 8 * 8;
+    auto* qh = static_cast<__nv_bfloat16*>(
+        stream_scratch(ScratchUse::kPromptQuery, stream, size_t(2) * m * q_dim * sizeof(__nv_bfloat16)));
+    __nv_bfloat16* ql = qh + size_t(m) * q_dim;
+    auto* sc = static_cast<float*>(stream_scratch(ScratchUse::kPromptScores, stream, size_t(heads) * m * ld * sizeof(float)));
+    auto* pr = static_cast<__nv_bfloat16*>(
+        stream_scratch(ScratchUse::kPromptProbs, stream, size_t(heads) * m * ld * sizeof(__nv_bfloat16)));
+    split_query_kernel<<<dim3(unsigned(std::min((q_dim + 255) / 256, 64)), unsigned(m)), 256, 0, stream>>>(
+        q + size_t(first + i0) * q_stride, q_stride, q_dim, scale, qh, ql);
+    BITDELTA_CUDA_CHECK_LAUNCH();
+    // Per q head h = kvh·g + o, batched over the kv heads. Column-major (cuBLAS): S_hᵀ (nkeys × m, pitch
+    // ld) = K_kvh (head_dim × nkeys, pitch kv_dim)ᵀ · Q_h (head_dim × m, pitch q_dim), i.e. S_h[i][j]
+    // row-major; then O_hᵀ (head_dim × m, pitch q_dim: out's rows) = V_kvh (head_dim × nkeys) · P_hᵀ.
+    for (int o = 0; o < g; ++o)
+      for (int part = 0; part < 2; ++part)
+        BITDELTA_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+            handle, CUBLAS_OP_T, CUBLAS_OP_N, nkeys, m, head_dim, &one, keys, CUDA_R_16BF, kv_dim, head_dim,
+            (part ? ql : qh) + size_t(o) * head_dim, CUDA_R_16BF, q_dim, (long long)(g) * head_dim, part ? &one : &zero,
+            sc + size_t(o) * m * ld, CUDA_R_32F, ld, (long long)(g) * m * ld, kv_heads, CUBLAS_COMPUTE_32F,
+            CUBLAS_GEMM_DEFAULT));
+    causal_softmax_kernel<<<unsigned(size_t(heads) * m), 128, 0, stream>>>(sc, m, ld, p0, pr);
+    BITDELTA_CUDA_CHECK_LAUNCH();
+    for (int o = 0; o < g; ++o)
+      BITDELTA_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+          handle, CUBLAS_OP_N, CUBLAS_OP_N, head_dim, m, nkeys, &one, values, CUDA_R_16BF, kv_dim, head_dim,
+          pr + size_t(o) * m * ld, CUDA_R_16BF, ld, (long long)(g) * m * ld, &zero,
+          out + size_t(first + i0) * q_dim + size_t(o) * head_dim, CUDA_R_16BF, q_dim, (long long)(g) * head_dim,
+          kv_heads, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
 }
 
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,

@@ -5,6 +5,7 @@
 // RowDesc. Float32 arithmetic; bf16 where a linear layer reads the result and in the KV cache.
 #pragma once
 
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -54,6 +55,8 @@ void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int
 // Rows per attention tile: consecutive rows of one sequence at consecutive positions (a prefill
 // chunk) share each key and value read.
 constexpr int kAttnTile = 8;
+// Runs of at least this many rows of one sequence (prompts) take attention_prompt instead.
+constexpr int kPromptRunRows = 64;
 
 // For every row of every tile (tiles[i] = {first row, row count ≤ kAttnTile}; the rows of a tile
 // belong to one sequence, at consecutive positions): out[r][head] = softmax(q·kᵀ·scale)·v over
@@ -67,6 +70,16 @@ constexpr int kAttnTile = 8;
 void attention(const float* q, int q_stride, const RowDesc* rows, const int2* tiles, int n_tiles, int max_tile,
                int max_position, int layer, int heads, int kv_heads, int head_dim, float scale,
                __nv_bfloat16* out, cudaStream_t stream, int split_len = 0, int split_heads = 0);
+
+// A prompt's run of rows on the tensor cores: rows first .. first + n − 1 (of q and out, as in
+// attention) belong to the sequence of `row` (host copy), at positions row.position .. + n − 1; each
+// attends over positions [0, its own]. Three cuBLAS steps per group of q heads: scores S = q·kᵀ·scale
+// with q split into two bf16 parts (q ≈ hi + lo, so the product keeps about 16 bits of q), the
+// causal softmax in float32 with the probabilities rounded to bf16, then P·v with float32
+// accumulation. handle runs on `stream`. Scratch: about heads·n·(position + n)·6 bytes.
+void attention_prompt(cublasHandle_t handle, const float* q, int q_stride, const RowDesc& row, int first, int n,
+                      int layer, int heads, int kv_heads, int head_dim, float scale, __nv_bfloat16* out,
+                      cudaStream_t stream);
 
 // out[r][i] = bf16(silu(gate[r·stride + i]) ⊙ up[r·stride + i]) for i < n; out is [rows, n].
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,

@@ -14,6 +14,9 @@ enum class ScratchUse {
   kStreamCounters,      // ... and their arrival counters
   kAttentionParts,      // attention over positions split over blocks: the parts
   kAttentionCounters,   // ... and their arrival counters
+  kPromptQuery,         // attention of a prompt run on GEMMs: its queries in bf16 (high and low parts)
+  kPromptScores,        // ... the scores
+  kPromptProbs,         // ... the probabilities in bf16
 };
 
 // A buffer of at least `bytes` for `use` on the current device and `stream`. A larger request
