@@ -244,7 +244,8 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
 }
 
 // A prompt's run of rows on GEMMs (attention_prompt): 100 rows at positions 150..249 of one sequence,
-// rows 3..102 of q and out, against the CPU over the same bf16 cache.
+// rows 3..102 of q and out, against the CPU over the same bf16 cache; in one piece, and in pieces of
+// about 37 rows (scratch for fewer rows than the run has).
 TEST_F(GpuOps, AttentionOfAPromptRunOnGemms) {
   cublasHandle_t handle = nullptr;
   ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
@@ -262,24 +263,30 @@ TEST_F(GpuOps, AttentionOfAPromptRunOnGemms) {
     Buf<__nv_bfloat16> out(size_t(rows) * q_dim);
     const float scale = 1.0f / std::sqrt(float(head_dim));
     const cuda::RowDesc row{0, p0, cap, dcache.p, nullptr, nullptr, nullptr};
-    cuda::attention_prompt(handle, dq.p, q_dim, row, first, n, layer, heads, kv_heads, head_dim, scale, out.p, nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
-    const auto got = to_f32(out.get());
-    std::vector<float> want, have;
-    const size_t keys = size_t(layer) * 2 * cap * kv_dim, values = keys + size_t(cap) * kv_dim;
-    for (int i = 0; i < n; ++i)
-      for (int h = 0; h < heads; ++h) {
-        std::vector<float> o(static_cast<size_t>(head_dim));
-        cpu::attend(&q[size_t(first + i) * q_dim + size_t(h) * head_dim], &cache[keys], &cache[values],
-                    size_t(p0 + i + 1), size_t(kv_dim), size_t(h / (heads / kv_heads) * head_dim), size_t(head_dim),
-                    scale, o.data());
-        want.insert(want.end(), o.begin(), o.end());
-        const float* g = &got[size_t(first + i) * q_dim + size_t(h) * head_dim];
-        have.insert(have.end(), g, g + head_dim);
-      }
-    // q in two bf16 parts (about 2^-16 relative), the probabilities rounded to bf16 (2^-9 each,
-    // averaging out over the positions), and the bf16 output (2^-9).
-    check_close(have, want, 5e-3, "attention of a prompt run (bf16 out)");
+    const size_t per_row = size_t(heads) * ((p0 + n + 7) / 8 * 8) * 6;
+    for (const size_t piece_bytes : {size_t(256) << 20, per_row * 37}) {
+      SCOPED_TRACE(testing::Message() << "pieces of " << piece_bytes / per_row << " rows at most");
+      CUDA_OK(cudaMemset(out.p, 0xff, out.n * sizeof(__nv_bfloat16)));  // NaN until written
+      cuda::attention_prompt(handle, dq.p, q_dim, row, first, n, layer, heads, kv_heads, head_dim, scale, out.p, nullptr,
+                             piece_bytes);
+      CUDA_OK(cudaDeviceSynchronize());
+      const auto got = to_f32(out.get());
+      std::vector<float> want, have;
+      const size_t keys = size_t(layer) * 2 * cap * kv_dim, values = keys + size_t(cap) * kv_dim;
+      for (int i = 0; i < n; ++i)
+        for (int h = 0; h < heads; ++h) {
+          std::vector<float> o(static_cast<size_t>(head_dim));
+          cpu::attend(&q[size_t(first + i) * q_dim + size_t(h) * head_dim], &cache[keys], &cache[values],
+                      size_t(p0 + i + 1), size_t(kv_dim), size_t(h / (heads / kv_heads) * head_dim), size_t(head_dim),
+                      scale, o.data());
+          want.insert(want.end(), o.begin(), o.end());
+          const float* g = &got[size_t(first + i) * q_dim + size_t(h) * head_dim];
+          have.insert(have.end(), g, g + head_dim);
+        }
+      // q in two bf16 parts (about 2^-16 relative), the probabilities rounded to bf16 (2^-9 each,
+      // averaging out over the positions), and the bf16 output (2^-9).
+      check_close(have, want, 5e-3, "attention of a prompt run (bf16 out)");
+    }
   }
   cublasDestroy(handle);
 }

@@ -702,17 +702,18 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
 
 void attention_prompt(cublasHandle_t handle, const float* q, int q_stride, const RowDesc& row, int first, int n,
                       int layer, int heads, int kv_heads, int head_dim, float scale, __nv_bfloat16* out,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, size_t piece_bytes) {
   if (n <= 0) return;
   if (head_dim % 8 || kv_heads < 1 || heads % kv_heads)
     fail("cuda::attention_prompt: ", heads, " heads, ", kv_heads, " kv heads of ", head_dim, " (a multiple of 8)");
   const int q_dim = heads * head_dim, kv_dim = kv_heads * head_dim, g = heads / kv_heads;
   const __nv_bfloat16* keys = row.kv + kv_index(layer, 0, 0, size_t(row.kv_capacity), kv_dim);
   const __nv_bfloat16* values = row.kv + kv_index(layer, 1, 0, size_t(row.kv_capacity), kv_dim);
-  // Rows in pieces whose scores and probabilities fit 256 MB (each row's attention is independent).
+  // Rows in pieces whose scores and probabilities fit piece_bytes (each row's attention is
+  // independent).
   const int ld_all = (row.position + n + 7) / 8 * 8;
   const size_t per_row = size_t(heads) * ld_all * (sizeof(float) + sizeof(__nv_bfloat16));
-  const int piece = int(std::clamp<size_t>((size_t(256) << 20) / per_row, 1, size_t(n)));
+  const int piece = int(std::clamp<size_t>(piece_bytes / per_row, 1, size_t(n)));
   const float one = 1.0f, zero = 0.0f;
   for (int i0 = 0; i0 < n; i0 += piece) {
     const int m = std::min(piece, n - i0), p0 = row.position + i0, nkeys = p0 + m, ld = (nkeys + 7) / 8 * 8;

@@ -76,10 +76,11 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
 // attends over positions [0, its own]. Three cuBLAS steps per group of q heads: scores S = q·kᵀ·scale
 // with q split into two bf16 parts (q ≈ hi + lo, so the product keeps about 16 bits of q), the
 // causal softmax in float32 with the probabilities rounded to bf16, then P·v with float32
-// accumulation. handle runs on `stream`. Scratch: about heads·n·(position + n)·6 bytes.
+// accumulation. handle runs on `stream`. Scratch: heads·rows·(position + n)·6 bytes, the rows taken
+// in pieces that fit piece_bytes.
 void attention_prompt(cublasHandle_t handle, const float* q, int q_stride, const RowDesc& row, int first, int n,
                       int layer, int heads, int kv_heads, int head_dim, float scale, __nv_bfloat16* out,
-                      cudaStream_t stream);
+                      cudaStream_t stream, size_t piece_bytes = size_t(256) << 20);
 
 // out[r][i] = bf16(silu(gate[r·stride + i]) ⊙ up[r·stride + i]) for i < n; out is [rows, n].
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,
