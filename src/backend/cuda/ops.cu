@@ -265,17 +265,18 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
 
 // Decode rows (tiles of one row): the positions are split over blocks as well (flash decoding), so
 // that one row's heads fill the device. Row r's [0, position] is cut into 32-position chunks, and
-// those into splits = ⌈(position + 1) / split_len⌉ near-equal runs; block (h, r, s) takes run s, its
-// warp w the run's chunks w, w + 4, ... Lanes hold dims, so that each key and value row is one
-// coalesced load, and the scores are put back one per lane by a transposing warp sum. While a
-// chunk's scores and values are computed, the next chunk's keys, then its values, are already in
-// flight. Blocks past the row's last split exit. With one split the block writes the row's output;
-// otherwise each writes its (max, sum, unnormalized p·v) to part[r][h][s], and the last of the row's
-// splits to arrive (a counter per row and head, reset by it) merges them in split order. On the 7B
-// shape at 520 positions: one block of 8 warps per (row, head), a lane per position, took 24 µs per
-// layer at batch 1 (ncu, run 59); one chunk per warp and 128 positions per block 12.5 µs at batch 1
-// and 132.6 µs at batch 32; this kernel, splits as attention() chooses, 12.8 and 82.2 µs (0.78 of
-// the copy rate), and 1.0 of it from 8 rows × 2048 positions on (bench_gpu_attention, runs 68–69).
+// those into splits = ⌈(position + 1) / split_len⌉ near-equal runs; block (g, r, s) takes run s for
+// head group g (G heads, below), its warp w the run's chunks w, w + 4, ... Lanes hold dims, so that
+// each key and value row is one coalesced load, and the scores are put back one per lane by a
+// transposing warp sum. While a chunk's scores and values are computed, the next chunk's keys, then
+// its values, are already in flight. Blocks past the row's last split exit. With one split the
+// block writes the row's output; otherwise each writes its (max, sum, unnormalized p·v) per head to
+// part[r][h][s], and the last of the row's splits to arrive (a counter per row and head group,
+// reset by it) merges them in split order. On the 7B shape at 520 positions: one block of 8 warps
+// per (row, head), a lane per position, took 24 µs per layer at batch 1 (ncu, run 59); one chunk
+// per warp and 128 positions per block 12.5 µs at batch 1 and 132.6 µs at batch 32; this kernel,
+// splits as attention() chooses, 12.8 and 82.2 µs (0.78 of the copy rate), and 1.0 of it from 8
+// rows × 2048 positions on (bench_gpu_attention, runs 68–69).
 constexpr int kSplitWarps = 4, kChunk = 32;
 
 // One step of a transposing warp sum: lanes with bit W set keep the upper W of their first 2·W
