@@ -16,68 +16,25 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <functional>
 #include <string>
 #include <vector>
 
 #include "backend/cuda/ops.cuh"
 #include "bitdelta/error.h"
+#include "cuda/common.h"
 
 using namespace bitdelta;
 
-namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(what, ": ", cudaGetErrorString(e));
-}
-
-// Median µs of fn(rep) over reps calls (after warm-up), CUDA events around each.
-double time_us(const std::function<void(int)>& fn, int reps, int warmup = 3) {
-  for (int i = 0; i < warmup; ++i) fn(i);
-  std::vector<cudaEvent_t> ev(2 * size_t(reps));
-  for (auto& e : ev) check(cudaEventCreate(&e), "cudaEventCreate");
-  for (int i = 0; i < reps; ++i) {
-    check(cudaEventRecord(ev[2 * size_t(i)], nullptr), "cudaEventRecord");
-    fn(warmup + i);
-    check(cudaEventRecord(ev[2 * size_t(i) + 1], nullptr), "cudaEventRecord");
-  }
-  check(cudaDeviceSynchronize(), "attention");
-  std::vector<double> t(static_cast<size_t>(reps));
-  for (int i = 0; i < reps; ++i) {
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, ev[2 * size_t(i)], ev[2 * size_t(i) + 1]), "cudaEventElapsedTime");
-    t[size_t(i)] = ms * 1e3;
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-struct DeviceBuf {
-  void* p = nullptr;
-  explicit DeviceBuf(size_t bytes) { check(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc"); }
-  ~DeviceBuf() { cudaFree(p); }
-  DeviceBuf(const DeviceBuf&) = delete;
-  DeviceBuf& operator=(const DeviceBuf&) = delete;
-};
-
-}  // namespace
+using bench::DeviceMem;
 
 int main(int argc, char** argv) {
   try {
     const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
     cudaDeviceProp prop{};
-    check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
-    double copy_bw = 0;
-    {
-      const size_t bytes = size_t(2) << 30;
-      DeviceBuf a(bytes), b(bytes);
-      check(cudaMemset(a.p, 1, bytes), "cudaMemset");
-      const double t = time_us([&](int) { check(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice), "copy"); }, 20);
-      copy_bw = 2.0 * double(bytes) / (t * 1e-6);
-      std::printf("device-to-device copy: %.0f GB/s (read + write; the roofline below)\n\n", copy_bw / 1e9);
-    }
+    const double copy_bw = bench::copy_bandwidth();
+    std::printf("device-to-device copy of 2 GiB: %.0f GB/s, read + written (the roofline below)\n\n", copy_bw / 1e9);
     std::printf("%-18s %5s %6s %-12s %8s %9s %8s %7s\n", "heads/kv/dim", "rows", "n", "per block", "time_us", "MB",
                 "GB/s", "roof/t");
     struct Config {
@@ -95,19 +52,19 @@ int main(int argc, char** argv) {
           // Layers to cycle through: at least 4× L2 of keys and values over them, at most 8.
           const int layers = int(std::clamp(4.0 * prop.l2CacheSize / bytes + 1, 1.0, 8.0));
           const size_t per_seq = size_t(layers) * 2 * size_t(n) * kv_dim * 2;  // bf16, capacity n
-          DeviceBuf kv(per_seq * size_t(rows)), q(size_t(rows) * q_dim * 4), out(size_t(rows) * q_dim * 2);
-          check(cudaMemset(kv.p, 0x3c, per_seq * size_t(rows)), "cudaMemset");  // bf16 0x3c3c ≈ 0.0115
-          check(cudaMemset(q.p, 0, size_t(rows) * q_dim * 4), "cudaMemset");
+          DeviceMem kv(per_seq * size_t(rows)), q(size_t(rows) * q_dim * 4), out(size_t(rows) * q_dim * 2);
+          BITDELTA_CUDA_CHECK(cudaMemset(kv.ptr, 0x3c, per_seq * size_t(rows)));  // bf16 0x3c3c ≈ 0.0115
+          BITDELTA_CUDA_CHECK(cudaMemset(q.ptr, 0, size_t(rows) * q_dim * 4));
           std::vector<cuda::RowDesc> desc(static_cast<size_t>(rows));
           std::vector<int2> tiles(static_cast<size_t>(rows));
           for (int r = 0; r < rows; ++r) {
-            desc[size_t(r)] = {0, n - 1, n, reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(kv.p) + size_t(r) * per_seq),
+            desc[size_t(r)] = {0, n - 1, n, reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(kv.ptr) + size_t(r) * per_seq),
                                nullptr, nullptr, nullptr};
             tiles[size_t(r)] = make_int2(r, 1);
           }
-          DeviceBuf ddesc(desc.size() * sizeof(cuda::RowDesc)), dtiles(tiles.size() * sizeof(int2));
-          check(cudaMemcpy(ddesc.p, desc.data(), desc.size() * sizeof(cuda::RowDesc), cudaMemcpyHostToDevice), "copy");
-          check(cudaMemcpy(dtiles.p, tiles.data(), tiles.size() * sizeof(int2), cudaMemcpyHostToDevice), "copy");
+          DeviceMem ddesc(desc.size() * sizeof(cuda::RowDesc)), dtiles(tiles.size() * sizeof(int2));
+          BITDELTA_CUDA_CHECK(cudaMemcpy(ddesc.ptr, desc.data(), desc.size() * sizeof(cuda::RowDesc), cudaMemcpyHostToDevice));
+          BITDELTA_CUDA_CHECK(cudaMemcpy(dtiles.ptr, tiles.data(), tiles.size() * sizeof(int2), cudaMemcpyHostToDevice));
           const float scale = 1.0f / std::sqrt(float(cf.head_dim));
           struct Form {
             std::string name;
@@ -120,11 +77,11 @@ int main(int argc, char** argv) {
           }
           for (const auto& [name, split_len, split_heads] : forms) {
             if (split_len > n && name != "whole") continue;
-            const double t = time_us(
+            const double t = bench::time_us(
                 [&](int rep) {
-                  cuda::attention(static_cast<const float*>(q.p), q_dim, static_cast<const cuda::RowDesc*>(ddesc.p),
-                                  static_cast<const int2*>(dtiles.p), rows, 1, n - 1, rep % layers, cf.heads,
-                                  cf.kv_heads, cf.head_dim, scale, static_cast<__nv_bfloat16*>(out.p), nullptr,
+                  cuda::attention(static_cast<const float*>(q.ptr), q_dim, static_cast<const cuda::RowDesc*>(ddesc.ptr),
+                                  static_cast<const int2*>(dtiles.ptr), rows, 1, n - 1, rep % layers, cf.heads,
+                                  cf.kv_heads, cf.head_dim, scale, static_cast<__nv_bfloat16*>(out.ptr), nullptr,
                                   split_len, split_heads);
                 },
                 quick ? 20 : 40);

@@ -18,8 +18,8 @@ def short(name):
         if ch == "(" and depth == 0:
             name = name[:i]
             break
-    name = re.sub(r"^void ", "", name.strip())
-    return name.split("::")[-1] if "<" not in name else name[name.rfind("::", 0, name.find("<")) + 2:] if "::" in name[:name.find("<")] else name
+    head, bracket, args = re.sub(r"^void ", "", name.strip()).partition("<")
+    return head.split("::")[-1] + bracket + args
 
 
 rows = []

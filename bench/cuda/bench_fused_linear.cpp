@@ -24,20 +24,16 @@
 #include "backend/cuda/fused_linear_decode.cuh"
 #include "backend/cuda/fused_linear_stream.cuh"
 #include "backend/cuda/fused_linear_prefill.cuh"
+#include "common.h"
 
 namespace {
 
 using bitdelta::DeltaRef;
 namespace bcuda = bitdelta::cuda;
+using bitdelta::bench::DeviceMem;
+using bitdelta::bench::time_us;
 using bf16 = __nv_bfloat16;
 
-struct DeviceMem {
-  void* ptr = nullptr;
-  explicit DeviceMem(size_t bytes) { BITDELTA_CUDA_CHECK(cudaMalloc(&ptr, bytes)); }
-  ~DeviceMem() { cudaFree(ptr); }
-  DeviceMem(const DeviceMem&) = delete;
-  DeviceMem& operator=(const DeviceMem&) = delete;
-};
 
 // Fills device memory from a random host pattern of 64 MiB (random bf16 of U(-1,1)·scale, or
 // bytes).
@@ -61,29 +57,6 @@ class RandomFill {
   std::vector<bf16> bf16_;
   std::vector<uint8_t> bytes_;
 };
-
-// Median time in µs of fn(rep) over reps (after warm-up), each timed with events.
-double time_us(const std::function<void(int)>& fn, int reps, int warmup = 3) {
-  for (int i = 0; i < warmup; ++i) fn(i);
-  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<cudaEvent_t> ev(2 * reps);
-  for (auto& e : ev) BITDELTA_CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < reps; ++i) {
-    BITDELTA_CUDA_CHECK(cudaEventRecord(ev[2 * i], nullptr));
-    fn(warmup + i);
-    BITDELTA_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], nullptr));
-  }
-  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<double> t(reps);
-  for (int i = 0; i < reps; ++i) {
-    float ms;
-    BITDELTA_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    t[i] = ms * 1e3;
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(t.begin(), t.end());
-  return t[reps / 2];
-}
 
 struct Row {
   std::string shape, kase, version;
@@ -401,21 +374,8 @@ int main(int argc, char** argv) {
     std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
                 prop.l2CacheSize >> 20);
     RandomFill rnd;
-    {  // Roofline: device-to-device copy of 2 GiB, counting bytes read + written.
-      const size_t bytes = size_t(2) << 30;
-      DeviceMem a(bytes), b(bytes);
-      rnd.fill(a.ptr, bytes, false);
-      const double t = time_us(
-          [&](int) {
-            BITDELTA_CUDA_CHECK(
-                cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice, nullptr));
-          },
-          20);
-      copy_bw = 2.0 * bytes / (t * 1e-6);
-      std::printf(
-          "device-to-device copy: %.0f µs for 2 x %zu bytes = %.0f GB/s (the roofline below)\n\n",
-          t, bytes, copy_bw / 1e9);
-    }
+    copy_bw = bitdelta::bench::copy_bandwidth();  // the roofline
+    std::printf("device-to-device copy of 2 GiB: %.0f GB/s, read + written (the roofline below)\n\n", copy_bw / 1e9);
     std::printf("%-12s %-22s %-26s %10s %10s %8s %7s %7s\n", "shape", "case", "version", "time_us",
                 "MB", "GB/s", "roof/t", "ratio");
     bcuda::PrefillLinear prefill(nullptr, size_t(8192) * 11008);

@@ -17,18 +17,27 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, ≤ 1024); every thread gets the result.
-__device__ float block_sum(float v) {
+struct Add {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct Max {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// op over the block (blockDim.x a multiple of 32, ≤ 1024); every thread gets the result.
+template <typename Op>
+__device__ float block_reduce(float v, Op op) {
   __shared__ float partial[32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  v = warp_sum(v);
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   __syncthreads();  // partial may still be read from a previous call
   if (lane == 0) partial[warp] = v;
   __syncthreads();
-  float total = 0;
-  for (int w = 0; w < warps; ++w) total += partial[w];
+  float total = partial[0];
+  for (int w = 1; w < warps; ++w) total = op(total, partial[w]);
   return total;
 }
+__device__ float block_sum(float v) { return block_reduce(v, Add{}); }
 
 __global__ void embed_kernel(const RowDesc* rows, int hidden, float* x) {
   const RowDesc row = rows[blockIdx.x];
@@ -275,8 +284,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
 // reset by it) merges them in split order. On the 7B shape at 520 positions: one block of 8 warps
 // per (row, head), a lane per position, took 24 µs per layer at batch 1 (ncu, run 59); one chunk
 // per warp and 128 positions per block 12.5 µs at batch 1 and 132.6 µs at batch 32; this kernel,
-// splits as attention() chooses, 12.8 and 82.2 µs (0.78 of the copy rate), and 1.0 of it from 8
-// rows × 2048 positions on (bench_gpu_attention, runs 68–69).
+// splits as attention() chooses, 12.8 and 82.2 µs (0.78 of the copy rate); 0.91 of it at 8 rows ×
+// 2048 positions, and the copy rate at 32 × 2048 or 8 × 8192 (bench_gpu_attention, runs 68–69).
 constexpr int kSplitWarps = 4, kChunk = 32;
 
 // One step of a transposing warp sum: lanes with bit W set keep the upper W of their first 2·W
@@ -537,19 +546,6 @@ int split_blocks_wave(int dpl, int g) {
   return wave;
 }
 
-// Maximum over the block (as block_sum).
-__device__ float block_max(float v) {
-  __shared__ float partial[32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  __syncthreads();
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  float m = -INFINITY;
-  for (int w = 0; w < warps; ++w) m = fmaxf(m, partial[w]);
-  return m;
-}
-
 // A prompt run's queries, scaled, as two bf16 parts: hi = bf16(x), lo = bf16(x − hi); [n][q_dim].
 __global__ void split_query_kernel(const float* q, int q_stride, int q_dim, float scale, __nv_bfloat16* hi,
                                    __nv_bfloat16* lo) {
@@ -571,7 +567,7 @@ __global__ void causal_softmax_kernel(const float* scores, int n, int ld, int p0
   __nv_bfloat16* pr = probs + row * ld;
   float m = -INFINITY;
   for (int j = threadIdx.x; j < valid; j += blockDim.x) m = fmaxf(m, sr[j]);
-  m = block_max(m);
+  m = block_reduce(m, Max{});
   float sum = 0.0f;
   for (int j = threadIdx.x; j < valid; j += blockDim.x) sum += expf(sr[j] - m);
   const float inv = 1.0f / block_sum(sum);

@@ -1,0 +1,60 @@
+// Shared by the CUDA benchmarks: device buffers, the median time of many calls (each between CUDA
+// events), and the device-to-device copy bandwidth (bytes read + written per second) that their
+// rooflines divide by.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <vector>
+
+#include "backend/cuda/cuda_check.cuh"
+
+namespace bitdelta::bench {
+
+// Device memory of a benchmark case (at least one byte).
+struct DeviceMem {
+  void* ptr = nullptr;
+  explicit DeviceMem(size_t bytes) { BITDELTA_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(bytes, 1))); }
+  ~DeviceMem() { cudaFree(ptr); }
+  DeviceMem(const DeviceMem&) = delete;
+  DeviceMem& operator=(const DeviceMem&) = delete;
+};
+
+// Median µs of fn(rep) over reps calls on the default stream, after `warmup` calls (rep counts on
+// through them, so that callers can cycle through buffers).
+inline double time_us(const std::function<void(int)>& fn, int reps, int warmup = 3) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<cudaEvent_t> ev(2 * size_t(reps));
+  for (auto& e : ev) BITDELTA_CUDA_CHECK(cudaEventCreate(&e));
+  for (int i = 0; i < reps; ++i) {
+    BITDELTA_CUDA_CHECK(cudaEventRecord(ev[2 * size_t(i)], nullptr));
+    fn(warmup + i);
+    BITDELTA_CUDA_CHECK(cudaEventRecord(ev[2 * size_t(i) + 1], nullptr));
+  }
+  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<double> t(static_cast<size_t>(reps));
+  for (int i = 0; i < reps; ++i) {
+    float ms = 0;
+    BITDELTA_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * size_t(i)], ev[2 * size_t(i) + 1]));
+    t[size_t(i)] = ms * 1e3;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// A device-to-device copy of 2 GiB, median of 20: bytes read + written per second.
+inline double copy_bandwidth() {
+  const size_t bytes = size_t(2) << 30;
+  DeviceMem a(bytes), b(bytes);
+  BITDELTA_CUDA_CHECK(cudaMemset(a.ptr, 1, bytes));
+  const double t = time_us(
+      [&](int) { BITDELTA_CUDA_CHECK(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice, nullptr)); }, 20);
+  return 2.0 * double(bytes) / (t * 1e-6);
+}
+
+}  // namespace bitdelta::bench
