@@ -228,29 +228,45 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
   if (one_variant && row_variant[0] >= 0) {
     bcuda::PrefillLinear prefill(nullptr, size_t(K) * 40);  // 40-row chunks: many chunks even here
     using M = bcuda::PrefillMethod;
+    using S = bcuda::FusedSplit;
     struct Method {
       M m;
       const char* name;
-      int tile;  // the fused kernel's rows of x per tile (both shapes run on every case)
+      bcuda::PrefillLinear::FusedConfig fused;  // every tile shape runs on every case, both schedules
     };
-    const Method methods[] = {{M::kTwoGemms, "two gemms ", 0},
-                              {M::kMaterialize, "materialize", 0},
-                              {M::kPipelined, "pipelined ", 0},
-                              {M::kFused, "fused 128x128", 128},
-                              {M::kFused, "fused 64x256", 256},
-                              {M::kFused, "fused 64x64  ", 64}};
+    const Method methods[] = {{M::kTwoGemms, "two gemms ", {}},
+                              {M::kMaterialize, "materialize", {}},
+                              {M::kPipelined, "pipelined ", {}},
+                              {M::kFused, "fused 128x128 sk", {128, 128, S::kStreamK}},
+                              {M::kFused, "fused 128x128   ", {128, 128, S::kTilePerBlock}},
+                              {M::kFused, "fused 64x256 sk ", {64, 256, S::kStreamK}},
+                              {M::kFused, "fused 64x256    ", {64, 256, S::kTilePerBlock}},
+                              {M::kFused, "fused 128x256 sk", {128, 256, S::kStreamK}},
+                              {M::kFused, "fused 128x256   ", {128, 256, S::kTilePerBlock}},
+                              {M::kFused, "fused 64x64 sk  ", {64, 64, S::kStreamK}},
+                              {M::kFused, "fused 64x64     ", {64, 64, S::kTilePerBlock}},
+                              {M::kFused, "fused, default  ", {}}};
     static bool said = false;
     if (!said) {
       said = true;
       std::printf("fused gemm: %s on this GPU (K a multiple of 64, at least 128)\n",
                   prefill.fused_gemm_supported(wb, 1024, xb) ? "the sm_90a kernel runs" : "falls back to materialize");
     }
-    for (auto [m, name, tile] : methods) {
+    for (auto [m, name, fused] : methods) {
       poison(dy.ptr, dy.n);
-      prefill.set_fused_tile(tile);
+      prefill.set_fused_config(fused);
       prefill.run(m, wb, N, K, xb, rows, dev_refs[0], dy.ptr);
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect(std::string("prefill ") + name + "  " + tag, dy.to_host(), ref, 4e-3);
+    }
+    // Twice in a row on one stream: the split tiles' counters are back at zero after a launch.
+    if (prefill.fused_gemm_supported(wb, K, xb)) {
+      prefill.set_fused_config({});
+      poison(dy.ptr, dy.n);
+      prefill.run(M::kFused, wb, N, K, xb, rows, dev_refs[0], dy.ptr);
+      prefill.run(M::kFused, wb, N, K, xb, rows, dev_refs[0], dy.ptr);
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      expect(std::string("prefill fused twice       ") + tag, dy.to_host(), ref, 4e-3);
     }
   }
 }
@@ -314,6 +330,9 @@ int main() {
     // The fused GEMM's tiles (128 output rows × 128 rows of x) with partial edges in both.
     for (bool per_row : {true, false}) check_case(rng, 520, 1024, std::vector<int>(300, 0), 1, per_row);
     check_case(rng, 200, 576, std::vector<int>(150, 0), 1, true);  // 9 stages of 64 columns: an odd count
+    // More tiles than an H200 has multiprocessors (64 × 256 tiles: 136 × 2 = 272 for 132): whole
+    // tiles, then a wave and a bit split by stages, each split tile in two or three pieces.
+    check_case(rng, 8645, 1024, std::vector<int>(300, 0), 1, true);
   } catch (const std::exception& e) {
     std::printf("FAIL exception: %s\n", e.what());
     return 1;

@@ -31,6 +31,7 @@ namespace {
 using bitdelta::DeltaRef;
 namespace bcuda = bitdelta::cuda;
 using bitdelta::bench::DeviceMem;
+using bitdelta::bench::time_pair_us;
 using bitdelta::bench::time_us;
 using bf16 = __nv_bfloat16;
 
@@ -305,41 +306,45 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
          double(wbytes), 0, ""});
     const double bytes = double(wbytes + sbytes);
     using M = bcuda::PrefillMethod;
+    using FC = bcuda::PrefillLinear::FusedConfig;
+    using FS = bcuda::FusedSplit;
     struct Config {
       M method;
       const char* name;
       int chunk, expand_blocks;
+      FC fused;
     };
-    const Config configs[] = {{M::kTwoGemms, "two GEMMs", 8192, 0},
-                              {M::kMaterialize, "materialize", 4096, 0},
-                              {M::kMaterialize, "materialize", 8192, 0},
-                              {M::kPipelined, "pipelined", 2048, 0},
-                              {M::kPipelined, "pipelined", 4096, 0},
-                              {M::kFused, "fused GEMM 128x128", 0, 128},
-                              {M::kFused, "fused GEMM 64x256", 0, 256}};
+    const Config configs[] = {{M::kTwoGemms, "two GEMMs", 8192, 0, {}},
+                              {M::kMaterialize, "materialize", 4096, 0, {}},
+                              {M::kMaterialize, "materialize", 8192, 0, {}},
+                              {M::kPipelined, "pipelined", 2048, 0, {}},
+                              {M::kPipelined, "pipelined", 4096, 0, {}},
+                              {M::kFused, "fused GEMM 128x128 tile/block", 0, 0, {128, 128, FS::kTilePerBlock}},
+                              {M::kFused, "fused GEMM 64x256 tile/block", 0, 0, {64, 256, FS::kTilePerBlock}},
+                              {M::kFused, "fused GEMM 128x256 tile/block", 0, 0, {128, 256, FS::kTilePerBlock}},
+                              {M::kFused, "fused GEMM 128x128 stream-K", 0, 0, {128, 128, FS::kStreamK}},
+                              {M::kFused, "fused GEMM 128x256 stream-K", 0, 0, {128, 256, FS::kStreamK}},
+                              {M::kFused, "fused GEMM, the engine's choice", 0, 0, {}}};
     for (const Config& c : configs) {
       if (c.chunk > N && c.chunk != 8192) continue;
       if (profile_only && c.method != M::kFused) continue;
-      // For the fused GEMM, expand_blocks is its tile's rows of x.
-      prefill.set_fused_tile(c.method == M::kFused ? c.expand_blocks : 0);
-      const double t = time_us(
-          [&](int s) {
-            prefill.run(c.method, W(s), N, K, X, kPrefillRows, delta(s, 0), Y, c.chunk,
-                        c.method == M::kFused ? 0 : c.expand_blocks);
-          },
+      // Each form alternates with cuBLAS call by call, and its ratio is to that cuBLAS time.
+      prefill.set_fused_config(c.fused);
+      const auto cublas = [&](int s) { cublas_rows(kPrefillRows, s); };
+      const auto [tc, t] = time_pair_us(
+          cublas,
+          [&](int s) { prefill.run(c.method, W(s), N, K, X, kPrefillRows, delta(s, 0), Y, c.chunk, c.expand_blocks); },
           preps);
       if (c.method == M::kFused) {  // the same kernel on W alone: the cost of the ±α expansion
-        const double tb = time_us(
-            [&](int s) { prefill.run(M::kFused, W(s), N, K, X, kPrefillRows, DeltaRef{}, Y); }, preps);
-        add({shape, "c: 512 rows base", std::string(c.name) + " kernel, no delta", tb, double(wbytes), t_cublas,
-             "x cuBLAS"});
+        const auto [tcb, tb] = time_pair_us(
+            cublas, [&](int s) { prefill.run(M::kFused, W(s), N, K, X, kPrefillRows, DeltaRef{}, Y); }, preps);
+        add({shape, "c: 512 rows base", std::string(c.name) + ", no delta", tb, double(wbytes), tcb, "x cuBLAS"});
       }
       add({shape, "c: 512 rows 1 variant",
-           std::string(c.name) + (c.chunk ? " chunk " + std::to_string(std::min(c.chunk, N)) : std::string()) +
-               (c.expand_blocks && c.method != M::kFused ? " eb " + std::to_string(c.expand_blocks) : ""),
-           t, bytes, t_cublas, "x cuBLAS"});
+           std::string(c.name) + (c.chunk ? " chunk " + std::to_string(std::min(c.chunk, N)) : std::string()),
+           t, bytes, tc, "x cuBLAS"});
     }
-    prefill.set_fused_tile(0);
+    prefill.set_fused_config({});
     // Few rows of one variant (a decode batch of one fine-tune): 16-row fused decode launches (each
     // reading W) against the fused GEMM (one read of W), next to cuBLAS on the base.
     if (!profile_only)
@@ -360,6 +365,11 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
         const double tf = time_us(
             [&](int s) { prefill.run(M::kFused, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
         add({shape, cs, "fused GEMM", tf, bytes, tb, "x cuBLAS"});
+        prefill.set_fused_config({64, 64, bcuda::FusedSplit::kTilePerBlock});
+        const double tt = time_us(
+            [&](int s) { prefill.run(M::kFused, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
+        prefill.set_fused_config({});
+        add({shape, cs, "fused GEMM tile/block", tt, bytes, tb, "x cuBLAS"});
       }
   }
   BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
@@ -396,7 +406,7 @@ int main(int argc, char** argv) {
         "\ncolumns: time = median µs; MB = bytes the op must move; GB/s = MB/time; roof/t = (bytes "
         "/ copy "
         "bandwidth) / time, the fraction of the byte roofline; ratio = time / (cuBLAS or roofline "
-        "time)\n");
+        "time); in (c) each form's cuBLAS time is its own, timed call by call alternating with it\n");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_fused_linear: %s\n", e.what());
     return 1;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/cuda_check.cuh"
@@ -45,6 +46,39 @@ inline double time_us(const std::function<void(int)>& fn, int reps, int warmup =
   for (auto& e : ev) cudaEventDestroy(e);
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// Median µs of fa and of fb over reps calls of each, alternating (fa, fb, fa, …) so that both see the
+// same clocks: a GPU running GEMMs back to back heats up and slows down over a benchmark (run 85:
+// two identical launches timed 8% apart, minutes apart). fa gets even indices and fb odd ones, so
+// that callers cycling through buffers by index never give both the same one.
+inline std::pair<double, double> time_pair_us(const std::function<void(int)>& fa, const std::function<void(int)>& fb,
+                                              int reps, int warmup = 3) {
+  std::vector<double> ta, tb;
+  for (int i = 0; i < warmup; ++i) fa(2 * i), fb(2 * i + 1);
+  std::vector<cudaEvent_t> ev(3 * size_t(reps));
+  for (auto& e : ev) BITDELTA_CUDA_CHECK(cudaEventCreate(&e));
+  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int i = 0; i < reps; ++i) {
+    cudaEvent_t* e = &ev[3 * size_t(i)];
+    BITDELTA_CUDA_CHECK(cudaEventRecord(e[0], nullptr));
+    fa(2 * (warmup + i));
+    BITDELTA_CUDA_CHECK(cudaEventRecord(e[1], nullptr));
+    fb(2 * (warmup + i) + 1);
+    BITDELTA_CUDA_CHECK(cudaEventRecord(e[2], nullptr));
+  }
+  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int i = 0; i < reps; ++i) {
+    const cudaEvent_t* e = &ev[3 * size_t(i)];
+    float a = 0, b = 0;
+    BITDELTA_CUDA_CHECK(cudaEventElapsedTime(&a, e[0], e[1]));
+    BITDELTA_CUDA_CHECK(cudaEventElapsedTime(&b, e[1], e[2]));
+    ta.push_back(a * 1e3), tb.push_back(b * 1e3);
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(ta.begin(), ta.end());
+  std::sort(tb.begin(), tb.end());
+  return {ta[ta.size() / 2], tb[tb.size() / 2]};
 }
 
 // A device-to-device copy of 2 GiB, median of 20: bytes read + written per second.

@@ -5,6 +5,7 @@
 
 #include "cuda_check.cuh"
 #include "fused_linear_decode.cuh"
+#include "stream_scratch.cuh"
 #include "tma.cuh"
 
 namespace bitdelta::cuda {
@@ -86,13 +87,54 @@ struct FusedTile {
 };
 using FusedTile128 = FusedTile<2, 128>;
 using FusedTile256 = FusedTile<1, 256>;
+using FusedTile2x256 = FusedTile<2, 256>;
 using FusedTile64 = FusedTile<1, 64>;
 
 struct FusedMaps {
   CUtensorMap w, x, signs;
 };
 
+// Which block does what: whole tiles first, then the stages of the rest spread over blocks. The
+// blocks come in groups of MT, one per tile of x's rows, that run the same pieces of W's tiles at
+// the same time: each W tile then comes from memory once, for all of x (x's rows stay in L2), as
+// the GEMM's intensity needs. Group q of `groups` takes the whole W tiles q, q + groups, … below
+// `whole`; then, if q < sk_groups, the stretch [⌊I·q/sk_groups⌋, ⌊I·(q+1)/sk_groups⌋) of the
+// I = (NT − whole)·KT stages of the other W tiles, in order. A tile shared by groups is then the
+// last piece of the first of them (the one with its stage 0) and the first piece of the others, so
+// that its parts are usually all written by the time the first gets to it.
+// One tile per block is whole = groups = NT, sk_groups = 0; stream-K spreads the last one or two
+// waves' worth of tiles over all groups.
+struct FusedSchedule {
+  int NT, MT, whole, groups, sk_groups, KT;
+  float* parts;       // per block two slots of a tile's sums: [2·b] its piece from stage 0, [2·b + 1] another
+  unsigned* arrived;  // per shared tile, the pieces that have written their sums (zero between launches)
+};
+
+// f(W tile, x tile, first stage, end stage) for each piece of block u's work, in order. One call
+// of f in one loop, so that f (the kernel's main loop) is inlined once.
+template <typename F>
+__device__ __forceinline__ void for_each_piece(const FusedSchedule& s, int u, F&& f) {
+  const int q = u / s.MT, mt = u % s.MT, I = q < s.sk_groups ? (s.NT - s.whole) * s.KT : 0;
+  const int b = I ? int((long long)I * (q + 1) / s.sk_groups) : 0;
+  int nt = q, a = I ? int((long long)I * q / s.sk_groups) : 0;  // the next whole tile; the next shared stage
+  while (nt < s.whole || a < b) {
+    int k0 = 0, k1 = s.KT, t = nt;
+    if (nt < s.whole) {
+      nt += s.groups;
+    } else {
+      t = s.whole + a / s.KT, k0 = a % s.KT, k1 = min(s.KT, k0 + (b - a));
+      a += k1 - k0;
+    }
+    f(t, mt, k0, k1);
+  }
+}
+
 #ifdef BITDELTA_FUSED_WGMMA
+// The group whose stretch holds stage i of the I shared ones: the last q with ⌊I·q/groups⌋ ≤ i.
+__device__ __forceinline__ int stretch_of(int i, int I, int groups) {
+  return int(((long long)(i + 1) * groups + I - 1) / I) - 1;
+}
+
 // d (64 rows × N columns of f32 per warpgroup) = a (registers: this warp's 16 rows × 16) · B
 // (desc), plus d when Accumulate. scale-d is an immediate: a zeroed accumulator or a predicate set
 // in the asm would be ordinary instructions defining wgmma inputs, and ptxas then serializes the
@@ -163,6 +205,12 @@ __device__ __forceinline__ uint32_t delta_pair(uint32_t z, uint32_t alpha2) {
   return ((z << (15 - P)) & 0x80008000u) ^ alpha2;
 }
 
+// A barrier of the consumer warpgroups alone (the producer warpgroup has other work or has exited).
+template <int Threads>
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(Threads) : "memory");
+}
+
 __device__ __forceinline__ uint32_t bf16x2_add(uint32_t a, uint32_t b) {
   __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a),
                  y = *reinterpret_cast<__nv_bfloat162*>(&b);
@@ -174,8 +222,8 @@ __device__ __forceinline__ uint32_t bf16x2_add(uint32_t a, uint32_t b) {
 // Delta = false: W alone (the same kernel without the sign term: what the expansion costs).
 template <bool Delta, typename T>
 __global__ void __launch_bounds__(T::kThreads, 1)
-    fused_gemm_kernel(const __grid_constant__ FusedMaps maps, const float* __restrict__ alpha,
-                      int per_row, float* __restrict__ y, int N, int K, int M) {
+    fused_gemm_kernel(const __grid_constant__ FusedMaps maps, const __grid_constant__ FusedSchedule sched,
+                      const float* __restrict__ alpha, int per_row, float* __restrict__ y, int N, int M) {
 #ifdef BITDELTA_FUSED_WGMMA
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -186,10 +234,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   uint8_t* s_tiles = x_tiles + S * T::kXBytes;  // [stage][BM/16 rg][8 g][2 t'][4 i] words
   const uint32_t full0 = smem_addr(smem + S * T::kStageBytes), empty0 = full0 + 8 * S;
 
-  const int MT = (M + T::BN - 1) / T::BN;
-  const int n0 = int(blockIdx.x) / MT * T::BM,
-            m0 = int(blockIdx.x) % MT * T::BN;  // m fastest: a W tile's CTAs run together
-  const int tid = threadIdx.x, KT = K / kFusedBK;
+  // Whether this block adds a shared tile's sums; two, by parity of the shared pieces: a consumer
+  // warpgroup may write the next one's while the other still reads this one's.
+  __shared__ int last_piece[2];
+  const int tid = threadIdx.x, unit = int(blockIdx.x);
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full0 + 8 * s, 1);
@@ -201,46 +249,53 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   if (tid >= T::kConsumers) {  // the producer warpgroup: one thread issues every copy
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (tid == T::kConsumers)
-      for (int kt = 0; kt < KT; ++kt) {
-        const int slot = kt % S, k0 = kt * kFusedBK, s = (k0 & 255) >> 6;
-        const uint32_t full = full0 + 8 * slot;
-        mbar_wait(empty0 + 8 * slot, ((kt / S) & 1) ^ 1);
-        mbar_expect_tx(full, Delta ? T::kStageBytes : T::kWBytes + T::kXBytes);
-        tma_2d(smem_addr(w_tiles + slot * T::kWBytes), &maps.w, k0, n0, full);
-        tma_2d(smem_addr(x_tiles + slot * T::kXBytes), &maps.x, k0, m0, full);
-        if (Delta)
-          tma_5d(smem_addr(s_tiles + slot * T::kSignBytes), &maps.signs, 0, 2 * (s & 1), 0, k0 >> 8,
-                 n0 / 16, full);
-      }
+    if (tid == T::kConsumers) {
+      int g = 0;  // the ring's running stage
+      for_each_piece(sched, unit, [&](int nt, int mt, int kb, int ke) {
+        const int n0 = nt * T::BM, m0 = mt * T::BN;
+        for (int kt = kb; kt < ke; ++kt, ++g) {
+          const int slot = g % S, k0 = kt * kFusedBK, s = (k0 & 255) >> 6;
+          const uint32_t full = full0 + 8 * slot;
+          mbar_wait(empty0 + 8 * slot, ((g / S) & 1) ^ 1);
+          mbar_expect_tx(full, Delta ? T::kStageBytes : T::kWBytes + T::kXBytes);
+          tma_2d(smem_addr(w_tiles + slot * T::kWBytes), &maps.w, k0, n0, full);
+          tma_2d(smem_addr(x_tiles + slot * T::kXBytes), &maps.x, k0, m0, full);
+          if (Delta)
+            tma_5d(smem_addr(s_tiles + slot * T::kSignBytes), &maps.signs, 0, 2 * (s & 1), 0, k0 >> 8,
+                   n0 / 16, full);
+        }
+      });
+    }
   } else {  // the consumer warpgroups
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(T::kRegs));
     const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int rw = 64 * wg + 16 * warp;  // this warp's first row in the tile
-    // α of rows g and g + 8 as bf16 pairs (both halves); flipping the sign bits gives −α.
+    // The piece in hand: its tile's first output row and x row, its first stage, and the ring's
+    // running stage at its start. α of rows g and g + 8 as bf16 pairs (both halves); flipping the
+    // sign bits gives −α.
+    int n0 = 0, m0 = 0, kb = 0, ring = 0, parity = 0;
     uint32_t alpha2[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = min(n0 + rw + g + 8 * h, N - 1);
-      const __nv_bfloat16 a = __float2bfloat16_rn(Delta ? alpha[per_row ? n : 0] : 0.0f);
-      const uint16_t bits = *reinterpret_cast<const uint16_t*>(&a);
-      alpha2[h] = uint32_t(bits) | (uint32_t(bits) << 16);
-    }
     // ldmatrix.x4 source of this lane: matrix q = lane / 8 (rows +8·(q&1), columns +8·(q>>1)), row
     // lane % 8.
     const int lrow = rw + ((lane >> 3) & 1) * 8 + (lane & 7), lcol = lane >> 4;
     const uint32_t s_smem = smem_addr(s_tiles) + ((rw >> 4) * 8 + g) * 32;
 
-    float acc[T::BN / 2];  // written first by stage 0's wgmma (scale-d = 0)
+    float acc[T::BN / 2];  // written first by each piece's stage 0 wgmma (scale-d = 0)
     uint32_t afrag[T::kSets][4][4];
+    // The accumulators as operands of an empty asm: the compiler cannot move their reads or writes
+    // across it (a read of acc above the wgmma's wait would read unfinished sums).
+    const auto fence_accumulators = [&] {
+#pragma unroll
+      for (int i = 0; i < T::BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+    };
 
-    // Stage kt: wait for its copies, expand its fragments into register set P, issue its 4 wgmma,
+    // Stage j of the piece in hand: wait for its copies, expand its fragments into register set P, issue its 4 wgmma,
     // then wait until at most the wgmma of this stage and the kSets − 2 before it run, and release
     // the slot of the stage before those. Branch-free: ptxas serializes the wgmma of a loop with
     // branches in it.
-    const auto stage = [&]<int P, bool First, bool Release>(int kt) {
-      const int slot = kt % S, s = ((kt * kFusedBK) & 255) >> 6;
-      mbar_wait(full0 + 8 * slot, (kt / S) & 1);
+    const auto stage = [&]<int P, bool First, bool Release>(int j) {
+      const int gs = ring + j, slot = gs % S, s = (((kb + j) * kFusedBK) & 255) >> 6;
+      mbar_wait(full0 + 8 * slot, (gs / S) & 1);
       const uint8_t* wt = w_tiles + slot * T::kWBytes;
       // Words (t', i): i = 2(s>>1) for row g, +1 for row g + 8; t' even for columns 0..31 of the
       // stage, odd for 32..63. Inverted (1 = −α) and shifted so that column 2t of each 16 is at bit
@@ -299,43 +354,111 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       for (int j = 1; j < 4; ++j) wgmma_m64k16<T::BN, true>(acc, afrag[P][j], descs[j]);
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(T::kSets - 1) : "memory");
-      if constexpr (Release) mbar_arrive(empty0 + 8 * ((kt + S - (T::kSets - 1)) % S));
+      if constexpr (Release) mbar_arrive(empty0 + 8 * ((gs - (T::kSets - 1)) % S));
     };
-    // Stage s releases the slot of stage s − (kSets − 1), whose wgmma the wait retired; the first
-    // kSets − 1 stages release none. The loop takes kSets stages at a time (register sets by
-    // constant).
-    if constexpr (T::kSets == 3) {
-      stage.template operator()<0, true, false>(0);
-      stage.template operator()<1, false, false>(1);
-      int kt = 2;
-      for (; kt + 2 < KT; kt += 3) {
-        stage.template operator()<2, false, true>(kt);
-        stage.template operator()<0, false, true>(kt + 1);
-        stage.template operator()<1, false, true>(kt + 2);
+    // Stage j of a piece releases the slot of stage j − (kSets − 1), whose wgmma the wait retired;
+    // the first kSets − 1 stages release none, and the piece's last ones are released after it. The
+    // loop takes kSets stages at a time (register sets by constant).
+    const auto piece = [&](int nt, int mt, int k0, int k1) {
+      n0 = nt * T::BM, m0 = mt * T::BN, kb = k0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int n = min(n0 + rw + g + 8 * h, N - 1);
+        const __nv_bfloat16 a = __float2bfloat16_rn(Delta ? alpha[per_row ? n : 0] : 0.0f);
+        const uint16_t bits = *reinterpret_cast<const uint16_t*>(&a);
+        alpha2[h] = uint32_t(bits) | (uint32_t(bits) << 16);
       }
-      if (kt < KT) stage.template operator()<2, false, true>(kt);
-      if (kt + 1 < KT) stage.template operator()<0, false, true>(kt + 1);
-    } else {
-      stage.template operator()<0, true, false>(0);
-      int kt = 1;
-      for (; kt + 1 < KT; kt += 2) {
-        stage.template operator()<1, false, true>(kt);
-        stage.template operator()<0, false, true>(kt + 1);
+      const int n = k1 - k0;
+      fence_accumulators();  // the last piece's reads of acc stay before this piece's wgmma
+      if constexpr (T::kSets == 3) {
+        stage.template operator()<0, true, false>(0);
+        if (n > 1) stage.template operator()<1, false, false>(1);
+        int j = 2;
+        for (; j + 2 < n; j += 3) {
+          stage.template operator()<2, false, true>(j);
+          stage.template operator()<0, false, true>(j + 1);
+          stage.template operator()<1, false, true>(j + 2);
+        }
+        if (j < n) stage.template operator()<2, false, true>(j);
+        if (j + 1 < n) stage.template operator()<0, false, true>(j + 1);
+      } else {
+        stage.template operator()<0, true, false>(0);
+        int j = 1;
+        for (; j + 1 < n; j += 2) {
+          stage.template operator()<1, false, true>(j);
+          stage.template operator()<0, false, true>(j + 1);
+        }
+        if (j < n) stage.template operator()<1, false, true>(j);
       }
-      if (kt < KT) stage.template operator()<1, false, true>(kt);
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      fence_accumulators();  // no read of acc moves above the wait
+      for (int j = max(0, n - (T::kSets - 1)); j < n; ++j) mbar_arrive(empty0 + 8 * ((ring + j) % S));
+      ring += n;
 
-    // acc[4i + e]: row g, x row 8i + 2t + e; acc[4i + 2 + e]: row g + 8. y is [M, N].
+      if (k0 > 0 || k1 < sched.KT) {
+        // A shared tile: its pieces' sums are added in piece order, the same sums on every run. The
+        // piece from stage 0 usually comes last: then it adds the others' sums to its own. Otherwise
+        // each piece writes its sums (thread-major float4s) and counts itself, and the last to
+        // arrive adds all of them from memory.
+        const int I = (sched.NT - sched.whole) * sched.KT, i0 = (nt - sched.whole) * sched.KT;
+        const int first = stretch_of(i0, I, sched.sk_groups), last = stretch_of(i0 + sched.KT - 1, I, sched.sk_groups);
+        const int group = unit / sched.MT;
+        const auto slot = [&](int v) {  // group v's part of this tile
+          return reinterpret_cast<float4*>(sched.parts) +
+                 size_t(2 * (v * sched.MT + mt) + (v == first ? 0 : 1)) * (T::BM * T::BN / 4) + tid;
+        };
+        unsigned* arrived = sched.arrived + (nt - sched.whole) * sched.MT + mt;
+        if (tid == 0) {
+          unsigned before = 0;
+          if (group == first)
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(before) : "l"(arrived) : "memory");
+          last_piece[parity] = group == first && before == unsigned(last - first);
+        }
+        consumers_sync<T::kConsumers>();
+        const int bit = parity;
+        parity ^= 1;
+        if (!last_piece[bit]) {
+          float4* mine = slot(group);
 #pragma unroll
-    for (int i = 0; i < T::BN / 8; ++i)
+          for (int c = 0; c < T::BN / 8; ++c)
+            __stcg(mine + c * T::kConsumers, make_float4(acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3]));
+          __threadfence();
+          consumers_sync<T::kConsumers>();
+          if (tid == 0) {
+            last_piece[bit] = atomicAdd(arrived, 1u) == unsigned(last - first);
+            __threadfence();
+          }
+          consumers_sync<T::kConsumers>();
+          if (!last_piece[bit]) return;
+          const float4* part = slot(first);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = m0 + 8 * i + 2 * t + e, n = n0 + rw + g;
-        if (m >= M) continue;
-        if (n < N) y[size_t(m) * N + n] = acc[4 * i + e];
-        if (n + 8 < N) y[size_t(m) * N + n + 8] = acc[4 * i + 2 + e];
+          for (int c = 0; c < T::BN / 8; ++c) {
+            const float4 q = __ldcg(part + c * T::kConsumers);
+            acc[4 * c] = q.x, acc[4 * c + 1] = q.y, acc[4 * c + 2] = q.z, acc[4 * c + 3] = q.w;
+          }
+        }
+        if (tid == 0) *arrived = 0;
+        for (int v = first + 1; v <= last; ++v) {
+          const float4* part = slot(v);
+#pragma unroll
+          for (int c = 0; c < T::BN / 8; ++c) {
+            const float4 q = __ldcg(part + c * T::kConsumers);
+            acc[4 * c] += q.x, acc[4 * c + 1] += q.y, acc[4 * c + 2] += q.z, acc[4 * c + 3] += q.w;
+          }
+        }
       }
+      // acc[4i + e]: row g, x row 8i + 2t + e; acc[4i + 2 + e]: row g + 8. y is [M, N].
+#pragma unroll
+      for (int i = 0; i < T::BN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int m = m0 + 8 * i + 2 * t + e, n = n0 + rw + g;
+          if (m >= M) continue;
+          if (n < N) y[size_t(m) * N + n] = acc[4 * i + e];
+          if (n + 8 < N) y[size_t(m) * N + n + 8] = acc[4 * i + 2 + e];
+        }
+    };
+    for_each_piece(sched, unit, piece);
   }
 #endif
 }
@@ -367,6 +490,7 @@ PrefillLinear::PrefillLinear(cudaStream_t stream, size_t scratch_elems)
   BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
   BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   fused_arch_ = prop.major == 9 && prop.minor == 0 && tensor_map_encoder() != nullptr;
+  sms_ = prop.multiProcessorCount;
   if (fused_arch_) {
     const auto allow = [](const void* kernel, int bytes) {
       BITDELTA_CUDA_CHECK(
@@ -380,6 +504,10 @@ PrefillLinear::PrefillLinear(cudaStream_t stream, size_t scratch_elems)
           FusedTile256::kSmem);
     allow(reinterpret_cast<const void*>(fused_gemm_kernel<false, FusedTile256>),
           FusedTile256::kSmem);
+    allow(reinterpret_cast<const void*>(fused_gemm_kernel<true, FusedTile2x256>),
+          FusedTile2x256::kSmem);
+    allow(reinterpret_cast<const void*>(fused_gemm_kernel<false, FusedTile2x256>),
+          FusedTile2x256::kSmem);
     allow(reinterpret_cast<const void*>(fused_gemm_kernel<true, FusedTile64>), FusedTile64::kSmem);
     allow(reinterpret_cast<const void*>(fused_gemm_kernel<false, FusedTile64>), FusedTile64::kSmem);
   }
@@ -418,7 +546,7 @@ bool PrefillLinear::fused_gemm_supported(const __nv_bfloat16* w, int K,
 
 template <typename T>
 void launch_fused(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
-                  const DeltaRef& delta, float* y, cudaStream_t stream) {
+                  const DeltaRef& delta, float* y, cudaStream_t stream, int sms, FusedSplit split) {
   FusedMaps maps;
   const cuuint64_t wdims[2] = {cuuint64_t(K), cuuint64_t(N)},
                    xdims[2] = {cuuint64_t(K), cuuint64_t(rows)};
@@ -428,34 +556,69 @@ void launch_fused(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, 
          CU_TENSOR_MAP_SWIZZLE_128B);
   encode_tensor_map(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, xdims, rstride, xbox,
          CU_TENSOR_MAP_SWIZZLE_128B);
-  const unsigned blocks = unsigned((N + T::BM - 1) / T::BM) * unsigned((rows + T::BN - 1) / T::BN);
-  if (!delta.signs) {  // W alone
-    fused_gemm_kernel<false, T>
-        <<<blocks, T::kThreads, T::kSmem, stream>>>(maps, nullptr, 0, y, N, K, rows);
-    BITDELTA_CUDA_CHECK_LAUNCH();
-    return;
+  FusedSchedule sched{};
+  sched.NT = (N + T::BM - 1) / T::BM;
+  sched.MT = (rows + T::BN - 1) / T::BN;
+  sched.KT = K / kFusedBK;
+  sched.whole = sched.groups = sched.NT;  // one tile per block
+  if (split != FusedSplit::kTilePerBlock && sched.MT <= sms && sched.NT % (sms / sched.MT) != 0) {
+    // One block per multiprocessor, in groups of MT.
+    sched.groups = sms / sched.MT;
+    // All but the last one or two waves' worth of W tiles go whole; those are spread over all
+    // groups as stages (each group then has at least KT of them), so that no multiprocessor idles
+    // for most of a last, partial wave.
+    sched.whole = std::max(0, sched.NT / sched.groups - 1) * sched.groups;
+    sched.sk_groups = std::min(sched.groups, (sched.NT - sched.whole) * sched.KT);
+    const size_t blocks = size_t(sched.groups) * sched.MT, shared = size_t(sched.NT - sched.whole) * sched.MT;
+    sched.parts = static_cast<float*>(
+        stream_scratch(ScratchUse::kPrefillParts, stream, 2 * blocks * T::BM * T::BN * sizeof(float)));
+    sched.arrived = static_cast<unsigned*>(
+        stream_scratch(ScratchUse::kPrefillCounters, stream, shared * sizeof(unsigned), true));
+  } else if (split != FusedSplit::kTilePerBlock && sched.MT <= sms) {
+    sched.groups = std::min(sms / sched.MT, sched.NT);  // whole waves: persistent, whole tiles only
   }
-  // The packed signs as words [row group][column block][g][t'][i] (packed_signs.h).
-  const int KB = sign_blocks(K);
-  const cuuint64_t sdims[5] = {4, 4, 8, cuuint64_t(KB), cuuint64_t((N + 15) / 16)};
-  const cuuint64_t sstrides[4] = {16, 64, 512, 512 * cuuint64_t(KB)};
-  const cuuint32_t sbox[5] = {4, 2, 8, 1, T::BM / 16};
-  encode_tensor_map(&maps.signs, CU_TENSOR_MAP_DATA_TYPE_UINT32, 5, delta.signs, sdims, sstrides, sbox,
-         CU_TENSOR_MAP_SWIZZLE_NONE);
-  fused_gemm_kernel<true, T><<<blocks, T::kThreads, T::kSmem, stream>>>(
-      maps, delta.alpha, delta.alpha_per_row ? 1 : 0, y, N, K, rows);
+  const float* alpha = nullptr;
+  int per_row = 0;
+  if (delta.signs) {
+    // The packed signs as words [row group][column block][g][t'][i] (packed_signs.h).
+    const int KB = sign_blocks(K);
+    const cuuint64_t sdims[5] = {4, 4, 8, cuuint64_t(KB), cuuint64_t((N + 15) / 16)};
+    const cuuint64_t sstrides[4] = {16, 64, 512, 512 * cuuint64_t(KB)};
+    const cuuint32_t sbox[5] = {4, 2, 8, 1, T::BM / 16};
+    encode_tensor_map(&maps.signs, CU_TENSOR_MAP_DATA_TYPE_UINT32, 5, delta.signs, sdims, sstrides, sbox,
+           CU_TENSOR_MAP_SWIZZLE_NONE);
+    alpha = delta.alpha;
+    per_row = delta.alpha_per_row ? 1 : 0;
+  }
+  const auto kernel = delta.signs ? fused_gemm_kernel<true, T> : fused_gemm_kernel<false, T>;
+  kernel<<<unsigned(sched.groups * sched.MT), T::kThreads, T::kSmem, stream>>>(maps, sched, alpha, per_row, y, N,
+                                                                               rows);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
 void PrefillLinear::fused_gemm(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x,
                                int rows, const DeltaRef& delta, float* y) {
-  const int tile = fused_tile_ ? fused_tile_ : rows > 128 ? 256 : rows > 64 ? 128 : 64;
-  if (tile == 256)
-    launch_fused<FusedTile256>(w, N, K, x, rows, delta, y, stream_);
-  else if (tile == 128)
-    launch_fused<FusedTile128>(w, N, K, x, rows, delta, y, stream_);
+  FusedConfig c = fused_config_;
+  if (c.bm == 0 || c.bn == 0) {
+    // By rows: 64 × 64 tiles up to 64 rows, 128 × 128 up to 128; beyond, 128 × 256 where those
+    // tiles fill the multiprocessors, else 64 × 256 (twice the tiles). Whole tiles per block where
+    // they make whole waves (or nearly: 90%), else stream-K (bench/cuda/NOTES.md, part 10).
+    const auto tiles = [&](int bm, int bn) { return (N + bm - 1) / bm * ((rows + bn - 1) / bn); };
+    c.bm = rows <= 64 ? 64 : rows <= 128 ? 128 : tiles(128, 256) * 10 >= sms_ * 9 ? 128 : 64;
+    c.bn = rows <= 64 ? 64 : rows <= 128 ? 128 : 256;
+    const int last_wave = tiles(c.bm, c.bn) % sms_;
+    c.split = last_wave == 0 || last_wave * 10 >= sms_ * 9 ? FusedSplit::kTilePerBlock : FusedSplit::kStreamK;
+  }
+  if (c.bm == 64 && c.bn == 256)
+    launch_fused<FusedTile256>(w, N, K, x, rows, delta, y, stream_, sms_, c.split);
+  else if (c.bm == 128 && c.bn == 256)
+    launch_fused<FusedTile2x256>(w, N, K, x, rows, delta, y, stream_, sms_, c.split);
+  else if (c.bm == 128 && c.bn == 128)
+    launch_fused<FusedTile128>(w, N, K, x, rows, delta, y, stream_, sms_, c.split);
+  else if (c.bm == 64 && c.bn == 64)
+    launch_fused<FusedTile64>(w, N, K, x, rows, delta, y, stream_, sms_, c.split);
   else
-    launch_fused<FusedTile64>(w, N, K, x, rows, delta, y, stream_);
+    fail("cuda::PrefillLinear: no fused tile of ", c.bm, " x ", c.bn);
 }
 
 void PrefillLinear::run(PrefillMethod method, const __nv_bfloat16* w, int N, int K,

@@ -8,8 +8,7 @@
 //   kPipelined    kMaterialize with the expansion of chunk i+1 on a second stream, overlapping the
 //                 (compute-bound) GEMM of chunk i; two scratch buffers
 //   kFused        one kernel (sm_90a, wgmma): W_eff = W + α⊙S formed in registers per tile on its
-//   way
-//                 to the tensor cores, never in memory; W_eff rounded to bf16 as bf16(w ± bf16(α)).
+//                 way to the tensor cores, never in memory; W_eff rounded to bf16 as bf16(w ± bf16(α)).
 //                 The engine's method. Needs K a multiple of 64 (at least 128) and 16-byte
 //                 aligned W, x and signs; otherwise, or on another GPU, it runs kMaterialize.
 //                 Without a delta it runs the same kernel on W alone (the benchmark's measure of the expansion's
@@ -29,6 +28,12 @@
 namespace bitdelta::cuda {
 
 enum class PrefillMethod { kBaseOnly, kTwoGemms, kMaterialize, kPipelined, kFused };
+
+// How the fused GEMM spreads its tiles over thread blocks:
+//   kTilePerBlock  one block per tile (a last, partial wave leaves multiprocessors idle)
+//   kStreamK       one block per multiprocessor; the tiles of the last one or two waves spread over
+//                  all of them by stages (stream-K), split tiles' sums meeting in memory
+enum class FusedSplit { kTilePerBlock, kStreamK };
 
 // W_eff chunk: out[n][k] = bf16(W[n][k] + α[n]·s[n][k]) for n in [n0, n0 + rows), or
 // bf16(α[n]·s[n][k]) alone when with_base is false. out is [rows, K] row-major; device pointers.
@@ -53,9 +58,16 @@ class PrefillLinear {
            int rows, const DeltaRef& delta, float* y, int chunk_rows = 0, int expand_blocks = 0);
 
   cublasHandle_t handle() const { return handle_; }
-  // The fused kernel's rows of x per tile: 64 (tiles of 64 output rows), 128 (of 128) or 256 (of
-  // 64); 0 (the default): 64 up to 64 rows, 128 up to 128, else 256.
-  void set_fused_tile(int rows_of_x) { fused_tile_ = rows_of_x; }
+  // The fused kernel's tile, bm output rows × bn rows of x: 64 × 64, 128 × 128, 64 × 256 or
+  // 128 × 256, and how tiles are spread over blocks (FusedSplit). bm = 0 (the default) chooses both:
+  // 64 × 64 up to 64 rows, 128 × 128 up to 128, beyond that 128 × 256 where those tiles fill at
+  // least 90% of the multiprocessors, else 64 × 256; one tile per block where the tiles make whole
+  // waves (the last at least 90% full), else stream-K.
+  struct FusedConfig {
+    int bm = 0, bn = 0;
+    FusedSplit split = FusedSplit::kStreamK;
+  };
+  void set_fused_config(FusedConfig c) { fused_config_ = c; }
   // Whether this device runs the fused kernel (sm_90a), and whether it does for these operands
   // (else kFused runs kMaterialize).
   bool fused_available() const { return fused_arch_; }
@@ -70,7 +82,8 @@ class PrefillLinear {
   cudaStream_t stream_;
   cudaStream_t helper_ = nullptr;
   bool fused_arch_ = false;  // the device runs the sm_90a fused GEMM
-  int fused_tile_ = 0;
+  FusedConfig fused_config_;
+  int sms_ = 0;
   cublasHandle_t handle_ = nullptr;
   size_t scratch_elems_;
   __nv_bfloat16* scratch_[2] = {nullptr, nullptr};

@@ -17,6 +17,8 @@ enum class ScratchUse {
   kPromptQuery,         // attention of a prompt run on GEMMs: its queries in bf16 (high and low parts)
   kPromptScores,        // ... the scores
   kPromptProbs,         // ... the probabilities in bf16
+  kPrefillParts,        // the fused prefill GEMM: the sums of tiles split over blocks
+  kPrefillCounters,     // ... and their arrival counters
 };
 
 // A buffer of at least `bytes` for `use` on the current device and `stream`. A larger request
