@@ -292,7 +292,10 @@ TEST_F(GpuOps, AttentionOfAPromptRunOnGemms) {
 }
 
 TEST_F(GpuOps, SwigluOverTheOutputOfAFusedGateUpLinear) {
-  const int rows = 3, n = 11008 + 5;  // gate and up side by side in rows of 2n
+  // Gate and up side by side in rows of 2n; n = 11008 takes the 4-column form, 11013 the scalar one.
+  for (const int n : {11008, 11008 + 5}) {
+  SCOPED_TRACE(testing::Message() << "n " << n);
+  const int rows = 3;
   const auto gu = randn(size_t(rows) * 2 * n, 40, 3.0f);
   Buf<float> dgu(gu.size());
   dgu.put(gu);
@@ -306,6 +309,7 @@ TEST_F(GpuOps, SwigluOverTheOutputOfAFusedGateUpLinear) {
   }
   cpu::swiglu(want.data(), u.data(), want.size());
   check_close(to_f32(out.get()), want, 4e-3, "swiglu (bf16 out)");
+  }
 }
 
 }  // namespace
