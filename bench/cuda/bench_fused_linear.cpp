@@ -345,6 +345,11 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
            t, bytes, tc, "x cuBLAS"});
     }
     prefill.set_fused_config({});
+    // cuBLAS alone again, after all the forms: how far the clocks moved since the first row.
+    const double t_cublas_after = time_us([&](int s) { cublas_rows(kPrefillRows, s); }, preps);
+    add({shape, "c: 512 rows base",
+         "cuBLAS GemmEx again, after the forms " + std::to_string(int(flops / t_cublas_after / 1e6)) + " TF/s",
+         t_cublas_after, double(wbytes), 0, ""});
     // Few rows of one variant (a decode batch of one fine-tune): 16-row fused decode launches (each
     // reading W) against the fused GEMM (one read of W), next to cuBLAS on the base.
     if (!profile_only)
