@@ -53,10 +53,12 @@ __global__ void expand_kernel(const __nv_bfloat16* w, int K, const uint8_t* sign
 // materialize rounds W_eff) and issues wgmma.m64nBNk16 with x (B) read by the tensor cores from
 // shared memory. Warp-specialized: one producer thread streams 64-column stages of W, x (both in
 // the 128-byte swizzle that wgmma's descriptors name) and the stage's sign words into a ring of
-// 5–6 stages with the tensor memory accelerator (TMA), each stage completing on a "full" mbarrier;
+// 4–6 stages with the tensor memory accelerator (TMA), each stage completing on a "full" mbarrier;
 // the consumer warpgroups (64 output rows each) wait on it, compute, and release the slot on an
 // "empty" mbarrier once their wgmma no longer read it. While the last one or two stages' wgmma
-// run, the next stage's fragments are expanded into another register set.
+// run, the next stage's fragments are expanded into another register set. A block works through a
+// list of pieces (FusedSchedule below); the ring runs on from one piece to the next, so that the
+// next piece's first stages load while the consumers write the last one's sums.
 constexpr int kFusedBK = 64;  // columns per stage: one 128-byte swizzle row of bf16
 
 // A tile shape: C consumer warpgroups of 64 output rows each (BM = 64·C) × BN rows of x, and as

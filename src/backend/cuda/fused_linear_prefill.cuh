@@ -32,7 +32,8 @@ enum class PrefillMethod { kBaseOnly, kTwoGemms, kMaterialize, kPipelined, kFuse
 // How the fused GEMM spreads its tiles over thread blocks:
 //   kTilePerBlock  one block per tile (a last, partial wave leaves multiprocessors idle)
 //   kStreamK       one block per multiprocessor; the tiles of the last one or two waves spread over
-//                  all of them by stages (stream-K), split tiles' sums meeting in memory
+//                  all of them by stages (stream-K), split tiles' sums meeting in memory (per-stream
+//                  scratch of two tiles of float32 per block: 34.6 MB for 128 × 256 tiles on 132 SMs)
 enum class FusedSplit { kTilePerBlock, kStreamK };
 
 // W_eff chunk: out[n][k] = bf16(W[n][k] + α[n]·s[n][k]) for n in [n0, n0 + rows), or
