@@ -3,6 +3,8 @@
 //   (a) 1 row, 1 variant: fused decode kernel vs cuBLAS base-only GEMV (cublasGemmEx, n = 1)
 //   (b) 16 rows from 16 distinct variants vs the byte roofline (2NK + 16·NK/8 bytes ÷ copy
 //   bandwidth) (c) 512 rows, 1 variant: prefill methods vs cuBLAS base-only GEMM
+// Modes: (none) all cases at the five shapes; --prefill [N K ...] case (c) only, at those shapes or
+// the five; --quick the first shape; --profile, --profile-prefill [N K] few reps (for ncu).
 // Timing: CUDA events around each call, warm-up, median of many reps; every rep uses the next of
 // several weight/sign buffer sets so that the 60 MB L2 never serves them; data random (never
 // zeros). The device-to-device copy bandwidth (read + write) is measured in the same run: the
@@ -324,6 +326,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                               {M::kFused, "fused GEMM 128x256 tile/block", 0, 0, {128, 256, FS::kTilePerBlock}},
                               {M::kFused, "fused GEMM 128x128 stream-K", 0, 0, {128, 128, FS::kStreamK}},
                               {M::kFused, "fused GEMM 128x256 stream-K", 0, 0, {128, 256, FS::kStreamK}},
+                              {M::kFused, "fused GEMM 64x256 stream-K", 0, 0, {64, 256, FS::kStreamK}},
                               {M::kFused, "fused GEMM, the engine's choice", 0, 0, {}}};
     for (const Config& c : configs) {
       if (c.chunk > N && c.chunk != 8192) continue;
@@ -406,6 +409,10 @@ int main(int argc, char** argv) {
       return bench_shape(rnd, prefill, pn, pk, true, true), 0;
     }
     if (mode == "--quick") shapes.resize(1);
+    if (mode == "--prefill" && argc > 3) {  // --prefill N K [N K ...]: case (c) at these shapes instead
+      shapes.clear();
+      for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
+    }
     for (auto [N, K] : shapes) bench_shape(rnd, prefill, N, K, false, mode == "--prefill");
     std::printf(
         "\ncolumns: time = median µs; MB = bytes the op must move; GB/s = MB/time; roof/t = (bytes "
