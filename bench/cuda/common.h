@@ -24,6 +24,11 @@ struct DeviceMem {
   DeviceMem& operator=(const DeviceMem&) = delete;
 };
 
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 // Median µs of fn(rep) over reps calls on the default stream, after `warmup` calls (rep counts on
 // through them, so that callers can cycle through buffers).
 inline double time_us(const std::function<void(int)>& fn, int reps, int warmup = 3) {
@@ -44,14 +49,14 @@ inline double time_us(const std::function<void(int)>& fn, int reps, int warmup =
     t[size_t(i)] = ms * 1e3;
   }
   for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return median(std::move(t));
 }
 
 // Median µs of fa and of fb over reps calls of each, alternating (fa, fb, fa, …) so that both see the
-// same clocks: a GPU running GEMMs back to back heats up and slows down over a benchmark (run 85:
-// two identical launches timed 8% apart, minutes apart). fa gets even indices and fb odd ones, so
-// that callers cycling through buffers by index never give both the same one.
+// same clocks: a GPU running GEMMs back to back reaches its power limit and lowers its clock (run
+// 91: 1980 → 1410–1920 MHz; run 85: one configuration timed twice, seconds apart, came out 8%
+// apart). fa gets even indices and fb odd ones, so that callers cycling through buffers by index
+// never give both the same one.
 inline std::pair<double, double> time_pair_us(const std::function<void(int)>& fa, const std::function<void(int)>& fb,
                                               int reps, int warmup = 3) {
   std::vector<double> ta, tb;
@@ -76,9 +81,7 @@ inline std::pair<double, double> time_pair_us(const std::function<void(int)>& fa
     ta.push_back(a * 1e3), tb.push_back(b * 1e3);
   }
   for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(ta.begin(), ta.end());
-  std::sort(tb.begin(), tb.end());
-  return {ta[ta.size() / 2], tb[tb.size() / 2]};
+  return {median(std::move(ta)), median(std::move(tb))};
 }
 
 // A device-to-device copy of 2 GiB, median of 20: bytes read + written per second.

@@ -207,12 +207,6 @@ __device__ __forceinline__ uint32_t delta_pair(uint32_t z, uint32_t alpha2) {
   return ((z << (15 - P)) & 0x80008000u) ^ alpha2;
 }
 
-// A barrier of the consumer warpgroups alone (the producer warpgroup has other work or has exited).
-template <int Threads>
-__device__ __forceinline__ void consumers_sync() {
-  asm volatile("bar.sync 1, %0;\n" ::"n"(Threads) : "memory");
-}
-
 __device__ __forceinline__ uint32_t bf16x2_add(uint32_t a, uint32_t b) {
   __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a),
                  y = *reinterpret_cast<__nv_bfloat162*>(&b);

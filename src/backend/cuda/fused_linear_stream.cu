@@ -72,7 +72,6 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[BN / 2], uint64_t da, uint64
         : "l"(da), "l"(db), "n"(Accumulate ? 1 : 0));
 }
 
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
 #endif
 
 // Persistent: block b takes units b, b + grid, ... (unit = a 64-row tile over all of K, or one of ks
@@ -239,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
 #pragma unroll
               for (int e = 0; e < 2; ++e) red[(8 * j + 2 * t + e) * kBM + 16 * wq + g + 8 * h] = acc[4 * j + 2 * h + e];
         }
-        consumers_sync();
+        consumers_sync<kConsumers>();
 #pragma unroll
         for (int d = 0; d < DN; ++d)
 #pragma unroll
@@ -251,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
             if (t == 0 && dd < p.nd)
               red[p.drow[dd] * kBM + nl] += __ldg(p.alpha[dd] + (p.alpha_per_row[dd] ? n : 0)) * (2.0f * v - sq[d]);
           }
-        consumers_sync();
+        consumers_sync<kConsumers>();
         const int valid = min(kBM, p.N - n0);
         if (u < p.whole || p.ks == 1) {
           for (int e = tid; e < p.rows * kBM; e += kConsumers)
@@ -262,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
           const int split = (u - p.whole) / p.ks;
           float* mine = p.parts + (size_t(split) * p.ks + (u - p.whole) % p.ks) * (BN * kBM);
           for (int e = tid; e < p.rows * kBM; e += kConsumers) mine[e] = red[e];
-          consumers_sync();
+          consumers_sync<kConsumers>();
           if (tid == 0) {
             __threadfence();  // cumulative: the consumers' stores before the barrier go first
             const unsigned before = atomicAdd(p.arrived + split, 1u);
@@ -272,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
               __threadfence();
             }
           }
-          consumers_sync();
+          consumers_sync<kConsumers>();
           if (last_part) {
             const float* all = p.parts + size_t(split) * p.ks * (BN * kBM);
             for (int e = tid; e < p.rows * kBM; e += kConsumers) {
@@ -283,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
             }
           }
         }
-        consumers_sync();  // red is free for the next unit
+        consumers_sync<kConsumers>();  // red is free for the next unit
       }
     };
     if (wg == 0)

@@ -547,33 +547,21 @@ int split_blocks_wave(int dpl, int g) {
 }
 
 // A prompt run's queries, scaled, as two bf16 parts: hi = bf16(x), lo = bf16(x − hi); [n][q_dim].
-// Vec: 4 columns per thread (q_dim, q_stride multiples of 4, 16-byte aligned q).
-template <bool Vec>
+// 4 columns per thread: q_dim and q_stride multiples of 4, q 16-byte aligned (attention_prompt checks).
 __global__ void split_query_kernel(const float* q, int q_stride, int q_dim, float scale, __nv_bfloat16* hi,
                                    __nv_bfloat16* lo) {
   const size_t r = blockIdx.y;
-  constexpr int V = Vec ? 4 : 1;
-  for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * V; i < q_dim; i += gridDim.x * blockDim.x * V) {
-    float x[V];
-    if constexpr (Vec) {
-      const float4 v = *reinterpret_cast<const float4*>(q + r * q_stride + i);
-      x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-    } else {
-      x[0] = q[r * q_stride + i];
-    }
-    __nv_bfloat16 h[V], l[V];
+  for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * 4; i < q_dim; i += gridDim.x * blockDim.x * 4) {
+    const float4 v = *reinterpret_cast<const float4*>(q + r * q_stride + i);
+    const float x[4] = {v.x * scale, v.y * scale, v.z * scale, v.w * scale};
+    __nv_bfloat16 h[4], l[4];
 #pragma unroll
-    for (int t = 0; t < V; ++t) {
-      x[t] *= scale;
+    for (int t = 0; t < 4; ++t) {
       h[t] = __float2bfloat16(x[t]);
       l[t] = __float2bfloat16(x[t] - __bfloat162float(h[t]));
     }
-    if constexpr (Vec) {
-      *reinterpret_cast<uint2*>(hi + r * q_dim + i) = *reinterpret_cast<const uint2*>(h);
-      *reinterpret_cast<uint2*>(lo + r * q_dim + i) = *reinterpret_cast<const uint2*>(l);
-    } else {
-      hi[r * q_dim + i] = h[0], lo[r * q_dim + i] = l[0];
-    }
+    *reinterpret_cast<uint2*>(hi + r * q_dim + i) = *reinterpret_cast<const uint2*>(h);
+    *reinterpret_cast<uint2*>(lo + r * q_dim + i) = *reinterpret_cast<const uint2*>(l);
   }
 }
 
@@ -742,6 +730,8 @@ void attention_prompt(cublasHandle_t handle, const float* q, int q_stride, const
   if (n <= 0) return;
   if (head_dim % 8 || kv_heads < 1 || heads % kv_heads)
     fail("cuda::attention_prompt: ", heads, " heads, ", kv_heads, " kv heads of ", head_dim, " (a multiple of 8)");
+  if (q_stride % 4 || (reinterpret_cast<uintptr_t>(q) & 15))
+    fail("cuda::attention_prompt: q's rows must be 16-byte aligned (stride ", q_stride, " floats)");
   const int q_dim = heads * head_dim, kv_dim = kv_heads * head_dim, g = heads / kv_heads;
   const __nv_bfloat16* keys = row.kv + kv_index(layer, 0, 0, size_t(row.kv_capacity), kv_dim);
   const __nv_bfloat16* values = row.kv + kv_index(layer, 1, 0, size_t(row.kv_capacity), kv_dim);
@@ -759,13 +749,8 @@ void attention_prompt(cublasHandle_t handle, const float* q, int q_stride, const
     auto* sc = static_cast<float*>(stream_scratch(ScratchUse::kPromptScores, stream, size_t(heads) * m * ld * sizeof(float)));
     auto* pr = static_cast<__nv_bfloat16*>(
         stream_scratch(ScratchUse::kPromptProbs, stream, size_t(heads) * m * ld * sizeof(__nv_bfloat16)));
-    const float* qr = q + size_t(first + i0) * q_stride;
-    if (q_dim % 4 == 0 && q_stride % 4 == 0 && (reinterpret_cast<uintptr_t>(qr) & 15) == 0)
-      split_query_kernel<true><<<dim3(unsigned(std::min((q_dim / 4 + 255) / 256, 64)), unsigned(m)), 256, 0, stream>>>(
-          qr, q_stride, q_dim, scale, qh, ql);
-    else
-      split_query_kernel<false><<<dim3(unsigned(std::min((q_dim + 255) / 256, 64)), unsigned(m)), 256, 0, stream>>>(
-          qr, q_stride, q_dim, scale, qh, ql);
+    split_query_kernel<<<dim3(unsigned(std::min((q_dim / 4 + 255) / 256, 64)), unsigned(m)), 256, 0, stream>>>(
+        q + size_t(first + i0) * q_stride, q_stride, q_dim, scale, qh, ql);
     BITDELTA_CUDA_CHECK_LAUNCH();
     // Per q head h = kvh·g + o, batched over the kv heads. Column-major (cuBLAS): S_hᵀ (nkeys × m, pitch
     // ld) = K_kvh (head_dim × nkeys, pitch kv_dim)ᵀ · Q_h (head_dim × m, pitch q_dim), i.e. S_h[i][j]

@@ -19,6 +19,13 @@ namespace bitdelta::cuda {
 #endif
 
 #ifdef BITDELTA_FUSED_WGMMA
+// Barrier 1 over the consumer warpgroups alone (Threads of them); the producer warpgroup has other
+// work or has exited.
+template <int Threads>
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(Threads) : "memory");
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
 }
