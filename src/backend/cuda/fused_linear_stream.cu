@@ -261,18 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
           const int split = (u - p.whole) / p.ks;
           float* mine = p.parts + (size_t(split) * p.ks + (u - p.whole) % p.ks) * (BN * kBM);
           for (int e = tid; e < p.rows * kBM; e += kConsumers) mine[e] = red[e];
-          consumers_sync<kConsumers>();
-          if (tid == 0) {
-            __threadfence();  // cumulative: the consumers' stores before the barrier go first
-            const unsigned before = atomicAdd(p.arrived + split, 1u);
-            last_part = before == unsigned(p.ks - 1);
-            if (last_part) {
-              p.arrived[split] = 0;
-              __threadfence();
-            }
-          }
-          consumers_sync<kConsumers>();
-          if (last_part) {
+          if (last_to_arrive(p.arrived + split, unsigned(p.ks), last_part, [] { consumers_sync<kConsumers>(); })) {
             const float* all = p.parts + size_t(split) * p.ks * (BN * kBM);
             for (int e = tid; e < p.rows * kBM; e += kConsumers) {
               if ((e & (kBM - 1)) >= valid) continue;

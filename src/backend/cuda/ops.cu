@@ -445,7 +445,7 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
   // The block's warps merged per head: (M, L, Σ acc·e^(m − M)). −∞ and 0 for a warp without a chunk.
   __shared__ float sm_m[kSplitWarps][G], sm_l[kSplitWarps][G], sm_acc[kSplitWarps][G][DPL * 32];
   __shared__ float mx_s[G], total_s[G];
-  __shared__ bool last;
+  __shared__ int last;
   if (lane == 0)
 #pragma unroll
     for (int g = 0; g < G; ++g) sm_m[warp][g] = m[g], sm_l[warp][g] = l[g];
@@ -485,16 +485,8 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
     const int g = i / head_dim, d = i % head_dim;
     part_of(g, sp)[2 + d] = merged(g, d);
   }
-  __threadfence();  // each thread's part before the block's arrival
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* count_at = arrived + size_t(r) * (heads / G) + hg;
-    last = atomicAdd(count_at, 1u) == unsigned(splits - 1);
-    if (last) *count_at = 0;  // for the next launch
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!last_to_arrive(arrived + size_t(r) * (heads / G) + hg, unsigned(splits), last, [] { __syncthreads(); }))
+    return;
   if (threadIdx.x < G) {
     const int g = threadIdx.x;
     float gm = -INFINITY;

@@ -27,4 +27,26 @@ enum class ScratchUse {
 // when they finish.
 void* stream_scratch(ScratchUse use, cudaStream_t stream, size_t bytes, bool zeroed = false);
 
+#ifdef __CUDACC__
+// The merge of a result split over blocks: each block writes its part to scratch, then calls this.
+// True in the block that arrived last of `parts` at *counter; that block resets the counter (for
+// the next launch, the counters' zero state) and on return sees every part's writes. `sync` is a
+// barrier over the block's threads that wrote (all of them, or the consumer warpgroups), thread 0
+// among them; `flag` is shared memory that no thread reads again before a later barrier.
+template <typename Sync>
+__device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned parts, int& flag, Sync sync) {
+  __threadfence();  // this thread's part before the block's arrival
+  sync();
+  if (threadIdx.x == 0) {
+    const bool last = atomicAdd(counter, 1u) == parts - 1;
+    if (last) *counter = 0;
+    flag = last;
+  }
+  sync();
+  const bool last = flag != 0;
+  if (last) __threadfence();  // the other parts' writes before this block's reads
+  return last;
+}
+#endif
+
 }  // namespace bitdelta::cuda
