@@ -243,6 +243,10 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
                               {M::kFused, "fused 64x256    ", {64, 256, S::kTilePerBlock}},
                               {M::kFused, "fused 128x256 sk", {128, 256, S::kStreamK}},
                               {M::kFused, "fused 128x256   ", {128, 256, S::kTilePerBlock}},
+                              {M::kFused, "fused 128x176 sk", {128, 176, S::kStreamK}},
+                              {M::kFused, "fused 128x176   ", {128, 176, S::kTilePerBlock}},
+                              {M::kFused, "fused 128x176 p ", {128, 176, S::kPersistent}},
+                              {M::kFused, "fused 64x64 p   ", {64, 64, S::kPersistent}},
                               {M::kFused, "fused 64x64 sk  ", {64, 64, S::kStreamK}},
                               {M::kFused, "fused 64x64     ", {64, 64, S::kTilePerBlock}},
                               {M::kFused, "fused, default  ", {}}};

@@ -4,7 +4,7 @@
 //   (b) 16 rows from 16 distinct variants vs the byte roofline (2NK + 16·NK/8 bytes ÷ copy
 //   bandwidth) (c) 512 rows, 1 variant: prefill methods vs cuBLAS base-only GEMM
 // Modes: (none) all cases at the five shapes; --prefill [N K ...] case (c) only, at those shapes or
-// the five; --quick the first shape; --profile, --profile-prefill [N K] few reps (for ncu).
+// the five; --few-rows [N K ...] case c' (8–48 rows of one variant) only; --quick the first shape; --profile [N K], --profile-prefill [N K [rows]] few reps (for ncu).
 // Timing: CUDA events around each call, warm-up, median of many reps; every rep uses the next of
 // several weight/sign buffer sets so that the 60 MB L2 never serves them; data random (never
 // zeros). The device-to-device copy bandwidth (read + write) is measured in the same run: the
@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -27,12 +28,16 @@
 #include "backend/cuda/fused_linear_stream.cuh"
 #include "backend/cuda/fused_linear_prefill.cuh"
 #include "common.h"
+#include "read_floor.h"
 
 namespace {
 
 using bitdelta::DeltaRef;
 namespace bcuda = bitdelta::cuda;
 using bitdelta::bench::DeviceMem;
+using bitdelta::bench::read_floor_us;
+using bitdelta::bench::ReadFloor;
+using bitdelta::bench::ReadRegion;
 using bitdelta::bench::time_pair_us;
 using bitdelta::bench::time_us;
 using bf16 = __nv_bfloat16;
@@ -87,11 +92,13 @@ void add(Row r) {
 constexpr auto kRegisters = bcuda::DecodeKernel::kRegisters, kStream = bcuda::DecodeKernel::kStream;
 
 void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
-                 bool profile_only = false, bool prefill_only = false) {
+                 bool profile_only = false, bool prefill_only = false, int prefill_rows = 512,
+                 bool few_rows_only = false) {
   // Signs: random bits in the packed device layout (for random bits the layout changes nothing).
   const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
   const int nsets = int(std::max<size_t>(2, (240u << 20) / wbytes + 1));  // > 4× L2 per rotation
-  const int kVariants = 16, kPrefillRows = 512;
+  const int kVariants = 16, kPrefillRows = prefill_rows;
+  const std::string c_rows = "c: " + std::to_string(kPrefillRows) + " rows";
   std::vector<std::unique_ptr<DeviceMem>> w, signs, alpha;
   for (int s = 0; s < nsets; ++s) {
     w.push_back(std::make_unique<DeviceMem>(wbytes));
@@ -107,8 +114,9 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           cudaMemcpy(alpha.back()->ptr, a.data(), a.size() * 4, cudaMemcpyHostToDevice));
     }
   }
-  DeviceMem x(size_t(kPrefillRows) * K * 2), y(size_t(kPrefillRows) * N * 4);
-  rnd.fill(x.ptr, size_t(kPrefillRows) * K * 2, true);
+  const size_t x_rows = std::max(kPrefillRows, 512);
+  DeviceMem x(x_rows * K * 2), y(x_rows * N * 4);
+  rnd.fill(x.ptr, x_rows * K * 2, true);
   auto W = [&](int s) { return static_cast<const bf16*>(w[s % nsets]->ptr); };
   auto delta = [&](int s, int v) {
     const int i = (s % nsets) * kVariants + v;
@@ -131,6 +139,14 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   if (!prefill_only) {
     const double t_cublas = time_us([&](int s) { cublas_rows(1, s); }, reps);
     add({shape, "a: 1 row base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
+    {  // The floor at this size: one launch that only reads W (and, with a delta, its signs).
+      const ReadFloor f = read_floor_us([&](int s) { return std::vector<ReadRegion>{{W(s), wbytes}}; }, reps);
+      add({shape, "a: floor", "one launch reading W", f.us, double(wbytes), t_cublas, "x cuBLAS"});
+      std::printf("%-12s   (floor's form: %s)\n", shape.c_str(), f.form.c_str());
+      const ReadFloor fd = read_floor_us(
+          [&](int s) { return std::vector<ReadRegion>{{W(s), wbytes}, {delta(s, 0).signs, sbytes}}; }, reps);
+      add({shape, "a: floor", "one launch reading W, signs", fd.us, double(wbytes + sbytes), t_cublas, "x cuBLAS"});
+    }
     const double bytes = double(wbytes + sbytes) + N * 4.0;
     for (int ks : {0, 2, 4, 8}) {
       const double t = time_us(
@@ -187,6 +203,17 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     const double bytes = double(wbytes) + kVariants * (double(sbytes) + N * 4.0);
     const double roof = bytes / copy_bw * 1e6;
     add({shape, "b: roofline", "bytes / copy bandwidth", roof, bytes, 0, ""});
+    {  // The floor at this size: one launch that only reads W and the 16 variants' signs.
+      const ReadFloor f = read_floor_us(
+          [&](int s) {
+            std::vector<ReadRegion> r{{W(s), wbytes}};
+            for (int v = 0; v < kVariants; ++v) r.push_back({delta(s, v).signs, sbytes});
+            return r;
+          },
+          reps);
+      add({shape, "b: floor", "one launch reading them", f.us, bytes, roof, "x roofline"});
+      std::printf("%-12s   (floor's form: %s)\n", shape.c_str(), f.form.c_str());
+    }
     const double t_cublas = time_us([&](int s) { cublas_rows(16, s); }, reps);
     add({shape, "b: 16 rows base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
     // The stream kernel also with a fixed split of K (ks 1), and with a ring of one stage (how much
@@ -298,12 +325,12 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     }
     if (profile_only) return;
   }
-  // (c) 512 rows, one variant.
-  {
-    const int preps = profile_only ? 2 : wbytes > (200u << 20) ? 20 : 50;
+  // (c) 512 rows (or prefill_rows), one variant.
+  const int preps = profile_only ? 2 : wbytes > (200u << 20) ? 20 : 50;
+  if (!few_rows_only) {
     const double t_cublas = time_us([&](int s) { cublas_rows(kPrefillRows, s); }, preps);
     const double flops = 2.0 * kPrefillRows * N * K;
-    add({shape, "c: 512 rows base",
+    add({shape, c_rows + " base",
          "cuBLAS GemmEx " + std::to_string(int(flops / t_cublas / 1e6)) + " TF/s", t_cublas,
          double(wbytes), 0, ""});
     const double bytes = double(wbytes + sbytes);
@@ -324,6 +351,10 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                               {M::kFused, "fused GEMM 128x128 tile/block", 0, 0, {128, 128, FS::kTilePerBlock}},
                               {M::kFused, "fused GEMM 64x256 tile/block", 0, 0, {64, 256, FS::kTilePerBlock}},
                               {M::kFused, "fused GEMM 128x256 tile/block", 0, 0, {128, 256, FS::kTilePerBlock}},
+                              {M::kFused, "fused GEMM 128x176 tile/block", 0, 0, {128, 176, FS::kTilePerBlock}},
+                              {M::kFused, "fused GEMM 128x176 persistent", 0, 0, {128, 176, FS::kPersistent}},
+                              {M::kFused, "fused GEMM 128x256 persistent", 0, 0, {128, 256, FS::kPersistent}},
+                              {M::kFused, "fused GEMM 64x256 persistent", 0, 0, {64, 256, FS::kPersistent}},
                               {M::kFused, "fused GEMM 128x128 stream-K", 0, 0, {128, 128, FS::kStreamK}},
                               {M::kFused, "fused GEMM 128x256 stream-K", 0, 0, {128, 256, FS::kStreamK}},
                               {M::kFused, "fused GEMM 64x256 stream-K", 0, 0, {64, 256, FS::kStreamK}},
@@ -341,22 +372,28 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       if (c.method == M::kFused) {  // the same kernel on W alone: the cost of the ±α expansion
         const auto [tcb, tb] = time_pair_us(
             cublas, [&](int s) { prefill.run(M::kFused, W(s), N, K, X, kPrefillRows, DeltaRef{}, Y); }, preps);
-        add({shape, "c: 512 rows base", std::string(c.name) + ", no delta", tb, double(wbytes), tcb, "x cuBLAS"});
+        add({shape, c_rows + " base", std::string(c.name) + ", no delta", tb, double(wbytes), tcb, "x cuBLAS"});
       }
-      add({shape, "c: 512 rows 1 variant",
+      add({shape, c_rows + " 1 variant",
            std::string(c.name) + (c.chunk ? " chunk " + std::to_string(std::min(c.chunk, N)) : std::string()),
            t, bytes, tc, "x cuBLAS"});
     }
     prefill.set_fused_config({});
     // cuBLAS alone again, after all the forms: how far the clocks moved since the first row.
     const double t_cublas_after = time_us([&](int s) { cublas_rows(kPrefillRows, s); }, preps);
-    add({shape, "c: 512 rows base",
+    add({shape, c_rows + " base",
          "cuBLAS GemmEx again, after the forms " + std::to_string(int(flops / t_cublas_after / 1e6)) + " TF/s",
          t_cublas_after, double(wbytes), 0, ""});
-    // Few rows of one variant (a decode batch of one fine-tune): 16-row fused decode launches (each
-    // reading W) against the fused GEMM (one read of W), next to cuBLAS on the base.
+  }
+  // Few rows of one variant (a decode batch of one fine-tune): 32-row fused decode launches (each
+  // reading W) against the fused GEMM (one read of W), next to cuBLAS on the base.
+  {
+    using M = bcuda::PrefillMethod;
+    using FC = bcuda::PrefillLinear::FusedConfig;
+    using FS = bcuda::FusedSplit;
+    const double bytes = double(wbytes + sbytes);
     if (!profile_only)
-      for (int rows : {17, 24, 32, 48}) {
+      for (int rows : {8, 12, 16, 17, 24, 32, 48}) {
         const std::string cs = "c': " + std::to_string(rows) + " rows 1 variant";
         const double tb = time_us([&](int s) { cublas_rows(rows, s); }, preps);
         add({shape, cs, "cuBLAS base-only", tb, double(wbytes), 0, ""});
@@ -370,14 +407,16 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
             },
             preps);
         add({shape, cs, "fused decode, 32-row calls", td, bytes, tb, "x cuBLAS"});
-        const double tf = time_us(
-            [&](int s) { prefill.run(M::kFused, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
-        add({shape, cs, "fused GEMM", tf, bytes, tb, "x cuBLAS"});
-        prefill.set_fused_config({64, 64, bcuda::FusedSplit::kTilePerBlock});
-        const double tt = time_us(
-            [&](int s) { prefill.run(M::kFused, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
+        const std::pair<const char*, FC> forms[] = {{"fused GEMM", {}},
+                                                    {"fused GEMM tile/block", {64, 64, FS::kTilePerBlock}},
+                                                    {"fused GEMM stream-K", {64, 64, FS::kStreamK}}};
+        for (const auto& [name, config] : forms) {
+          prefill.set_fused_config(config);
+          const double tf = time_us(
+              [&](int s) { prefill.run(M::kFused, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
+          add({shape, cs, name, tf, bytes, tb, "x cuBLAS"});
+        }
         prefill.set_fused_config({});
-        add({shape, cs, "fused GEMM tile/block", tt, bytes, tb, "x cuBLAS"});
       }
   }
   BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
@@ -404,16 +443,23 @@ int main(int argc, char** argv) {
       const int pn = argc > 3 ? std::atoi(argv[2]) : 8192, pk = argc > 3 ? std::atoi(argv[3]) : 8192;
       return bench_shape(rnd, prefill, pn, pk, true), 0;
     }
-    if (mode == "--profile-prefill") {  // [N K], default 4096 4096
+    if (mode == "--profile-prefill") {  // [N K [rows]], default 4096 4096 512
       const int pn = argc > 3 ? std::atoi(argv[2]) : 4096, pk = argc > 3 ? std::atoi(argv[3]) : 4096;
-      return bench_shape(rnd, prefill, pn, pk, true, true), 0;
+      const int rows = argc > 4 ? std::atoi(argv[4]) : 512;
+      if (rows < 1) throw std::runtime_error("--profile-prefill: rows must be at least 1");
+      return bench_shape(rnd, prefill, pn, pk, true, true, rows), 0;
     }
     if (mode == "--quick") shapes.resize(1);
     if (mode == "--prefill" && argc > 3) {  // --prefill N K [N K ...]: case (c) at these shapes instead
       shapes.clear();
       for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
     }
-    for (auto [N, K] : shapes) bench_shape(rnd, prefill, N, K, false, mode == "--prefill");
+    if (mode == "--few-rows" && argc > 3) {  // --few-rows N K [N K ...]: case c' only, at these shapes
+      shapes.clear();
+      for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
+    }
+    for (auto [N, K] : shapes)
+      bench_shape(rnd, prefill, N, K, false, mode == "--prefill" || mode == "--few-rows", 512, mode == "--few-rows");
     std::printf(
         "\ncolumns: time = median µs; MB = bytes the op must move; GB/s = MB/time; roof/t = (bytes "
         "/ copy "

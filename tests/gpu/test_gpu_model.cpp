@@ -3,9 +3,9 @@
 // the pinned host tier and disk.
 //
 // Bound: the device rounds the input of every linear layer to bf16 (2⁻⁹ relative, ~0.1% rms) and
-// keeps the KV cache in bf16; the rest is float32. A variant's run of ≥ 17 rows (the fused GEMM;
-// 48 on a GPU without it) also rounds W_eff = W + α·S to bf16 (as an applied bf16 checkpoint is
-// rounded). Every logit is a dot product of
+// keeps the KV cache in bf16; the rest is float32. A variant's run of ≥ 17 rows, or ≥ 8 where they
+// are all the step's rows (the fused GEMM; 48 on a GPU without it), also rounds W_eff = W + α·S to
+// bf16 (as an applied bf16 checkpoint is rounded): the prompts below go that way. Every logit is a dot product of
 // the final hidden state (29 rounded linear inputs upstream of it on the demo model) with a row of the
 // embedding, so its error scales with the size of the logits, not its own value: measured up to
 // 0.078 through the fused kernels and 0.195 (on a log-prob of −7.8) with W_eff in bf16. The bound is

@@ -45,8 +45,13 @@ constexpr size_t kDecodeRows = 32;          // rows per fused decode call (its l
 // (≈ 3× the weight's bytes), which wins from about 48 rows (7B-shaped decode at batch 32 of one
 // variant: 16.1 ms through two fused launches per linear, 18.2 ms through W_eff + GEMM with kernel
 // v6; bench/cuda/NOTES.md).
-constexpr size_t kGemmRowsBase = 17, kGemmRowsFused = 17, kGemmRowsMaterialize = 48;
-size_t gemm_rows(bool with_delta, bool fused) {
+// Where a variant's rows are all the rows of a weight (nothing to share a decode launch's read of W
+// with), the fused GEMM wins from 8 rows: at 8, 12 and 16 rows of one variant it took 0.91–1.00×
+// the time of one fused decode launch on all five shapes (run 100, case c', after the GEMM stopped
+// zero-filling x's missing rows).
+constexpr size_t kGemmRowsBase = 17, kGemmRowsFused = 17, kGemmRowsMaterialize = 48, kGemmRowsFusedAlone = 8;
+size_t gemm_rows(bool with_delta, bool fused, bool alone) {
+  if (with_delta && fused && alone) return kGemmRowsFusedAlone;
   return !with_delta ? kGemmRowsBase : fused ? kGemmRowsFused : kGemmRowsMaterialize;
 }
 constexpr size_t kPrefillScratch = size_t(16) << 20;  // W_eff chunk elements (×2 buffers, bf16)
@@ -436,7 +441,8 @@ struct DeviceModel::Impl {
         return e;
       };
       const size_t e = run_end(a);
-      if (e - a >= gemm_rows(lin[a]->delta.signs, prefill->fused_available())) {
+      const bool alone = (a == 0 || !same_weight(a - 1)) && (e == R || !same_weight(e));  // the whole segment
+      if (e - a >= gemm_rows(lin[a]->delta.signs, prefill->fused_available(), alone)) {
         const auto method = lin[a]->delta.signs ? PrefillMethod::kFused : PrefillMethod::kBaseOnly;
         prefill->run(method, lin[a]->w, N, K, xin + a * size_t(K), int(e - a), lin[a]->delta, y + a * size_t(N));
         a = e;
@@ -446,7 +452,7 @@ struct DeviceModel::Impl {
       size_t b = a;
       while (b < R && b - a < kDecodeRows && same_weight(b)) {
         const size_t re = run_end(b);
-        if (re - b >= gemm_rows(lin[b]->delta.signs, prefill->fused_available())) break;
+        if (re - b >= gemm_rows(lin[b]->delta.signs, prefill->fused_available(), false)) break;
         b = std::min(re, a + kDecodeRows);
       }
       deltas.clear();
@@ -612,7 +618,8 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   std::iota(order.begin(), order.end(), 0);
   auto key = [&](size_t r) {
     const size_t v = size_t(in[r].variant);
-    return std::pair<int, size_t>(count[v] >= gemm_rows(v != 0, m.prefill->fused_available()) ? 0 : 1, v);
+    const bool alone = count[v] == R;
+    return std::pair<int, size_t>(count[v] >= gemm_rows(v != 0, m.prefill->fused_available(), alone) ? 0 : 1, v);
   };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
 

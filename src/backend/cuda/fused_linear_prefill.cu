@@ -53,7 +53,7 @@ __global__ void expand_kernel(const __nv_bfloat16* w, int K, const uint8_t* sign
 // materialize rounds W_eff) and issues wgmma.m64nBNk16 with x (B) read by the tensor cores from
 // shared memory. Warp-specialized: one producer thread streams 64-column stages of W, x (both in
 // the 128-byte swizzle that wgmma's descriptors name) and the stage's sign words into a ring of
-// 4–6 stages with the tensor memory accelerator (TMA), each stage completing on a "full" mbarrier;
+// 4–12 stages with the tensor memory accelerator (TMA), each stage completing on a "full" mbarrier;
 // the consumer warpgroups (64 output rows each) wait on it, compute, and release the slot on an
 // "empty" mbarrier once their wgmma no longer read it. While the last one or two stages' wgmma
 // run, the next stage's fragments are expanded into another register set. A block works through a
@@ -63,7 +63,9 @@ constexpr int kFusedBK = 64;  // columns per stage: one 128-byte swizzle row of 
 
 // A tile shape: C consumer warpgroups of 64 output rows each (BM = 64·C) × BN rows of x, and as
 // many ring stages as fit in shared memory. <1, 256>: 64 × 256 tiles, each W fragment expanded
-// once for 256 rows of x (the least expansion work per product: many rows); <2, 128>: 128 × 128;
+// once for 256 rows of x (the least expansion work per product: many rows); <2, 256>: 128 × 256,
+// twice the product per byte of x and W brought in; <2, 176>: 128 × 176, for row counts that
+// 256-row tiles would pad or leave a partial wave with (512 = 3 · 176 − 16); <2, 128>: 128 × 128;
 // <1, 64>: 64 × 64, for few rows (up to 64: twice the blocks of 128-row tiles, to stream W).
 template <int C, int BN_>
 struct FusedTile {
@@ -74,15 +76,16 @@ struct FusedTile {
   // registers of a lane, of which a stage needs two: a box's innermost extent must be 16 bytes).
   static constexpr int kSignBytes = BM / 16 * 8 * 2 * 4 * 4;
   static constexpr int kStageBytes = kWBytes + kXBytes + kSignBytes;
-  static constexpr int kStages =
-      (220 * 1024 - 1024) / kStageBytes < 6 ? (220 * 1024 - 1024) / kStageBytes : 6;
+  // As many stages as fit (12 for 64 × 64 tiles, which stream W for few rows of x; they had 6 until
+  // run 97, which gained 2–4% from 12; what held them at 0.6 of the copy rate was x's box, FusedMaps).
+  static constexpr int kStages = (220 * 1024 - 1024) / kStageBytes;
   static constexpr int kSmem = kStages * kStageBytes + 2 * kStages * 8 + 1024;
   static constexpr int kRegs =
       C == 2 ? 232 : 248;  // consumers' registers (setmaxnreg); producer 40
   // Register sets of W fragments: stage s uses set s % kSets, and after it the wgmma of the last
-  // kSets − 1 stages may still run (so many fit beside the accumulators: two for 64 × 256 tiles,
-  // whose stage is twice as long on the tensor cores).
-  static constexpr int kSets = BN / 2 + 3 * 16 <= 160 ? 3 : 2;
+  // kSets − 1 stages may still run (so many fit beside the accumulators: two for tiles of more
+  // than 160 rows of x, whose stages are long on the tensor cores; 128 × 176 spills with three).
+  static constexpr int kSets = BN / 2 + 3 * 16 <= 128 ? 3 : 2;
   static_assert(kStages >= 4, "a tile's stages must fit in shared memory");
   static_assert(kSets == 2 || kSets == 3, "the stage loop is written for 2 or 3 register sets");
   static_assert(kRegs % 8 == 0 && kConsumers * kRegs + 128 * 40 <= 65536, "setmaxnreg budget");
@@ -90,10 +93,14 @@ struct FusedTile {
 using FusedTile128 = FusedTile<2, 128>;
 using FusedTile256 = FusedTile<1, 256>;
 using FusedTile2x256 = FusedTile<2, 256>;
+using FusedTile2x176 = FusedTile<2, 176>;
 using FusedTile64 = FusedTile<1, 64>;
 
+// x_last: x's last tile of rows, whose box holds only the rows x has there (rounded up to 8, the
+// swizzle's period): a box zero-filling rows past x's end made 17–32 rows of x slower than 48 (run
+// 98: 190 against 145 µs at 28672 × 8192; 135 with the short box, run 99).
 struct FusedMaps {
-  CUtensorMap w, x, signs;
+  CUtensorMap w, x, x_last, signs;
 };
 
 // Which block does what: whole tiles first, then the stages of the rest spread over blocks. The
@@ -108,6 +115,8 @@ struct FusedMaps {
 // waves' worth of tiles over all groups.
 struct FusedSchedule {
   int NT, MT, whole, groups, sk_groups, KT;
+  int x_last_rows;    // rows of x a stage of the last x tile copies (x_last's box); the rows past
+                      // them in shared memory hold stale data, which reaches only outputs not written
   float* parts;       // per block two slots of a tile's sums: [2·b] its piece from stage 0, [2·b + 1] another
   unsigned* arrived;  // per shared tile, the pieces that have written their sums (zero between launches)
 };
@@ -144,7 +153,7 @@ __device__ __forceinline__ int stretch_of(int i, int I, int groups) {
 template <int N, bool Accumulate>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], const uint32_t (&a)[4],
                                              uint64_t desc) {
-  static_assert(N == 64 || N == 128 || N == 256);
+  static_assert(N == 64 || N == 128 || N == 176 || N == 256);
   if constexpr (N == 64)
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -171,6 +180,26 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], const uint32_t (
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
           "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
           "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(Accumulate ? 1 : 0));
+  if constexpr (N == 176)
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n176k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, {%88, %89, %90, %91}, %92, %93, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),
+          "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+          "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(Accumulate ? 1 : 0));
   if constexpr (N == 256)
     asm volatile(
@@ -249,13 +278,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       int g = 0;  // the ring's running stage
       for_each_piece(sched, unit, [&](int nt, int mt, int kb, int ke) {
         const int n0 = nt * T::BM, m0 = mt * T::BN;
+        const bool last_x = mt == sched.MT - 1;
         for (int kt = kb; kt < ke; ++kt, ++g) {
           const int slot = g % S, k0 = kt * kFusedBK, s = (k0 & 255) >> 6;
           const uint32_t full = full0 + 8 * slot;
           mbar_wait(empty0 + 8 * slot, ((g / S) & 1) ^ 1);
-          mbar_expect_tx(full, Delta ? T::kStageBytes : T::kWBytes + T::kXBytes);
+          mbar_expect_tx(full, T::kWBytes + (last_x ? sched.x_last_rows : T::BN) * kFusedBK * 2 +
+                                   (Delta ? T::kSignBytes : 0));
           tma_2d(smem_addr(w_tiles + slot * T::kWBytes), &maps.w, k0, n0, full);
-          tma_2d(smem_addr(x_tiles + slot * T::kXBytes), &maps.x, k0, m0, full);
+          tma_2d(smem_addr(x_tiles + slot * T::kXBytes), last_x ? &maps.x_last : &maps.x, k0, m0, full);
           if (Delta)
             tma_5d(smem_addr(s_tiles + slot * T::kSignBytes), &maps.signs, 0, 2 * (s & 1), 0, k0 >> 8,
                    n0 / 16, full);
@@ -418,22 +449,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #pragma unroll
           for (int c = 0; c < T::BN / 8; ++c)
             __stcg(mine + c * T::kConsumers, make_float4(acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3]));
-          __threadfence();
-          consumers_sync<T::kConsumers>();
-          if (tid == 0) {
-            last_piece[bit] = atomicAdd(arrived, 1u) == unsigned(last - first);
-            __threadfence();
-          }
-          consumers_sync<T::kConsumers>();
-          if (!last_piece[bit]) return;
+          if (!last_to_arrive(arrived, unsigned(last - first + 1), last_piece[bit],
+                              [] { consumers_sync<T::kConsumers>(); }))
+            return;
           const float4* part = slot(first);
 #pragma unroll
           for (int c = 0; c < T::BN / 8; ++c) {
             const float4 q = __ldcg(part + c * T::kConsumers);
             acc[4 * c] = q.x, acc[4 * c + 1] = q.y, acc[4 * c + 2] = q.z, acc[4 * c + 3] = q.w;
           }
+        } else if (tid == 0) {
+          *arrived = 0;  // for the next launch (last_to_arrive resets it on the other path)
         }
-        if (tid == 0) *arrived = 0;
         for (int v = first + 1; v <= last; ++v) {
           const float4* part = slot(v);
 #pragma unroll
@@ -504,6 +531,10 @@ PrefillLinear::PrefillLinear(cudaStream_t stream, size_t scratch_elems)
           FusedTile2x256::kSmem);
     allow(reinterpret_cast<const void*>(fused_gemm_kernel<false, FusedTile2x256>),
           FusedTile2x256::kSmem);
+    allow(reinterpret_cast<const void*>(fused_gemm_kernel<true, FusedTile2x176>),
+          FusedTile2x176::kSmem);
+    allow(reinterpret_cast<const void*>(fused_gemm_kernel<false, FusedTile2x176>),
+          FusedTile2x176::kSmem);
     allow(reinterpret_cast<const void*>(fused_gemm_kernel<true, FusedTile64>), FusedTile64::kSmem);
     allow(reinterpret_cast<const void*>(fused_gemm_kernel<false, FusedTile64>), FusedTile64::kSmem);
   }
@@ -547,17 +578,22 @@ void launch_fused(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, 
   const cuuint64_t wdims[2] = {cuuint64_t(K), cuuint64_t(N)},
                    xdims[2] = {cuuint64_t(K), cuuint64_t(rows)};
   const cuuint64_t rstride[1] = {cuuint64_t(K) * 2};
-  const cuuint32_t wbox[2] = {kFusedBK, T::BM}, xbox[2] = {kFusedBK, T::BN};
+  const int last_rows = (rows - (rows - 1) / T::BN * T::BN + 7) / 8 * 8;
+  const cuuint32_t wbox[2] = {kFusedBK, T::BM}, xbox[2] = {kFusedBK, T::BN},
+                   xlbox[2] = {kFusedBK, cuuint32_t(last_rows)};
   encode_tensor_map(&maps.w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, wdims, rstride, wbox,
          CU_TENSOR_MAP_SWIZZLE_128B);
   encode_tensor_map(&maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, xdims, rstride, xbox,
          CU_TENSOR_MAP_SWIZZLE_128B);
+  encode_tensor_map(&maps.x_last, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, xdims, rstride, xlbox,
+         CU_TENSOR_MAP_SWIZZLE_128B);
   FusedSchedule sched{};
+  sched.x_last_rows = last_rows;
   sched.NT = (N + T::BM - 1) / T::BM;
   sched.MT = (rows + T::BN - 1) / T::BN;
   sched.KT = K / kFusedBK;
   sched.whole = sched.groups = sched.NT;  // one tile per block
-  if (split != FusedSplit::kTilePerBlock && sched.MT <= sms && sched.NT % (sms / sched.MT) != 0) {
+  if (split == FusedSplit::kStreamK && sched.MT <= sms && sched.NT % (sms / sched.MT) != 0) {
     // One block per multiprocessor, in groups of MT.
     sched.groups = sms / sched.MT;
     // All but the last one or two waves' worth of W tiles go whole; those are spread over all
@@ -571,7 +607,7 @@ void launch_fused(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, 
     sched.arrived = static_cast<unsigned*>(
         stream_scratch(ScratchUse::kPrefillCounters, stream, shared * sizeof(unsigned), true));
   } else if (split != FusedSplit::kTilePerBlock && sched.MT <= sms) {
-    sched.groups = std::min(sms / sched.MT, sched.NT);  // whole waves: persistent, whole tiles only
+    sched.groups = std::min(sms / sched.MT, sched.NT);  // persistent, or stream-K on whole waves: whole tiles only
   }
   const float* alpha = nullptr;
   int per_row = 0;
@@ -597,18 +633,31 @@ void PrefillLinear::fused_gemm(const __nv_bfloat16* w, int N, int K, const __nv_
   FusedConfig c = fused_config_;
   if (c.bm == 0 || c.bn == 0) {
     // By rows: 64 × 64 tiles up to 64 rows, 128 × 128 up to 128; beyond, 128 × 256 where those
-    // tiles fill the multiprocessors, else 64 × 256 (twice the tiles). Whole tiles per block where
-    // they make whole waves (or nearly: 90%), else stream-K (bench/cuda/NOTES.md, part 10).
+    // tiles fill the multiprocessors, else 64 × 256 (twice the tiles). 128 × 176 instead of
+    // 128 × 256 where those make less than two waves (stream-K would split every tile) and 176's
+    // waves of whole tiles do more than 90% useful work (padding rows and idle multiprocessors
+    // counted) and more than 256's: e.g. 512 rows in three at 11008 × 4096. Whole tiles on
+    // persistent blocks where they make whole waves (or nearly: 90%), else stream-K
+    // (bench/cuda/NOTES.md, parts 10 and 11).
     const auto tiles = [&](int bm, int bn) { return (N + bm - 1) / bm * ((rows + bn - 1) / bn); };
+    const auto useful = [&](int bm, int bn) {  // of the multiprocessors' time, with whole tiles per block
+      const int waves = (tiles(bm, bn) + sms_ - 1) / sms_;
+      return double(N) * rows / (double(waves) * sms_ * bm * bn);
+    };
     c.bm = rows <= 64 ? 64 : rows <= 128 ? 128 : tiles(128, 256) * 10 >= sms_ * 9 ? 128 : 64;
     c.bn = rows <= 64 ? 64 : rows <= 128 ? 128 : 256;
+    if (c.bm == 128 && c.bn == 256 && tiles(128, 256) < 2 * sms_ &&
+        useful(128, 176) > std::max(0.9, useful(128, 256)))
+      c.bn = 176;
     const int last_wave = tiles(c.bm, c.bn) % sms_;
-    c.split = last_wave == 0 || last_wave * 10 >= sms_ * 9 ? FusedSplit::kTilePerBlock : FusedSplit::kStreamK;
+    c.split = last_wave == 0 || last_wave * 10 >= sms_ * 9 ? FusedSplit::kPersistent : FusedSplit::kStreamK;
   }
   if (c.bm == 64 && c.bn == 256)
     launch_fused<FusedTile256>(w, N, K, x, rows, delta, y, stream_, sms_, c.split);
   else if (c.bm == 128 && c.bn == 256)
     launch_fused<FusedTile2x256>(w, N, K, x, rows, delta, y, stream_, sms_, c.split);
+  else if (c.bm == 128 && c.bn == 176)
+    launch_fused<FusedTile2x176>(w, N, K, x, rows, delta, y, stream_, sms_, c.split);
   else if (c.bm == 128 && c.bn == 128)
     launch_fused<FusedTile128>(w, N, K, x, rows, delta, y, stream_, sms_, c.split);
   else if (c.bm == 64 && c.bn == 64)

@@ -31,10 +31,12 @@ enum class PrefillMethod { kBaseOnly, kTwoGemms, kMaterialize, kPipelined, kFuse
 
 // How the fused GEMM spreads its tiles over thread blocks:
 //   kTilePerBlock  one block per tile (a last, partial wave leaves multiprocessors idle)
+//   kPersistent    whole tiles, one block per multiprocessor taking one tile after another: the
+//                  next tile's first stages load while the last one's sums are written
 //   kStreamK       one block per multiprocessor; the tiles of the last one or two waves spread over
 //                  all of them by stages (stream-K), split tiles' sums meeting in memory (per-stream
 //                  scratch of two tiles of float32 per block: 34.6 MB for 128 × 256 tiles on 132 SMs)
-enum class FusedSplit { kTilePerBlock, kStreamK };
+enum class FusedSplit { kTilePerBlock, kPersistent, kStreamK };
 
 // W_eff chunk: out[n][k] = bf16(W[n][k] + α[n]·s[n][k]) for n in [n0, n0 + rows), or
 // bf16(α[n]·s[n][k]) alone when with_base is false. out is [rows, K] row-major; device pointers.
@@ -59,11 +61,13 @@ class PrefillLinear {
            int rows, const DeltaRef& delta, float* y, int chunk_rows = 0, int expand_blocks = 0);
 
   cublasHandle_t handle() const { return handle_; }
-  // The fused kernel's tile, bm output rows × bn rows of x: 64 × 64, 128 × 128, 64 × 256 or
-  // 128 × 256, and how tiles are spread over blocks (FusedSplit). bm = 0 (the default) chooses both:
-  // 64 × 64 up to 64 rows, 128 × 128 up to 128, beyond that 128 × 256 where those tiles fill at
-  // least 90% of the multiprocessors, else 64 × 256; one tile per block where the tiles make whole
-  // waves (the last at least 90% full), else stream-K.
+  // The fused kernel's tile, bm output rows × bn rows of x: 64 × 64, 128 × 128, 64 × 256,
+  // 128 × 176 or 128 × 256, and how tiles are spread over blocks (FusedSplit). bm = 0 (the default)
+  // chooses both: 64 × 64 up to 64 rows, 128 × 128 up to 128, beyond that 128 × 256 where those
+  // tiles fill at least 90% of the multiprocessors (128 × 176 where 128 × 256 makes less than two
+  // waves, and 176's whole tiles waste less than 10% and less than 256's), else 64 × 256; whole
+  // tiles on persistent blocks where the tiles make whole waves (the last at least 90% full), else
+  // stream-K.
   struct FusedConfig {
     int bm = 0, bn = 0;
     FusedSplit split = FusedSplit::kStreamK;

@@ -1,0 +1,81 @@
+// The least time one kernel launch takes to read given bytes from device memory: the floor under
+// any kernel that must read them, at that size, timed as the benchmarks time theirs (one launch
+// between CUDA events, buffers rotated past L2). Of the copy-bandwidth roofline, a small read pays
+// the launch, the ramp of the first requests and the last blocks' tail on top of its bytes.
+#include "read_floor.h"
+
+#include <cstdio>
+#include <string>
+
+#include "backend/cuda/cuda_check.cuh"
+#include "common.h"
+
+namespace bitdelta::bench {
+namespace {
+
+struct Regions {
+  const uint4* p[kMaxReadRegions];
+  size_t n[kMaxReadRegions];  // 16-byte words
+  int count;
+};
+
+// Every thread reads U words of a region at a time (stride apart, all in flight), XOR-folds them and
+// writes only if the fold hits a value random data almost never gives: the loads cannot be dropped.
+template <int U>
+__global__ void read_kernel(const __grid_constant__ Regions r, unsigned* sink) {
+  unsigned acc = 0;
+  const size_t stride = size_t(gridDim.x) * blockDim.x, first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int j = 0; j < r.count; ++j) {
+    const uint4* p = r.p[j];
+    const size_t n = r.n[j];
+    size_t i = first;
+    for (; i + (U - 1) * stride < n; i += U * stride) {
+      uint4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = __ldcs(p + i + u * stride);
+#pragma unroll
+      for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    for (; i < n; i += stride) {
+      const uint4 v = __ldcs(p + i);
+      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+}  // namespace
+
+ReadFloor read_floor_us(const std::function<std::vector<ReadRegion>(int)>& regions, int reps) {
+  int device = 0, sms = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
+  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  DeviceMem sink(4);
+  const auto launch = [&](int rep, int blocks, int threads, int unroll) {
+    Regions r{};
+    for (const ReadRegion& g : regions(rep)) {
+      if (r.count == kMaxReadRegions) fail("read_floor_us: more than ", kMaxReadRegions, " regions");
+      if ((reinterpret_cast<uintptr_t>(g.ptr) & 15) != 0) fail("read_floor_us: a region is not 16-byte aligned");
+      r.p[r.count] = static_cast<const uint4*>(g.ptr), r.n[r.count++] = g.bytes / 16;
+    }
+    if (unroll == 4)
+      read_kernel<4><<<blocks, threads>>>(r, static_cast<unsigned*>(sink.ptr));
+    else
+      read_kernel<8><<<blocks, threads>>>(r, static_cast<unsigned*>(sink.ptr));
+    BITDELTA_CUDA_CHECK(cudaGetLastError());
+  };
+  ReadFloor best{1e30, ""};
+  for (int threads : {256, 512, 1024})
+    for (int per_sm : {1, 2, 4, 8}) {
+      if (threads * per_sm > 2048) continue;
+      for (int unroll : {4, 8}) {
+        const double t = time_us([&](int rep) { launch(rep, sms * per_sm, threads, unroll); }, reps);
+        if (t < best.us)
+          best = {t, std::to_string(per_sm) + " x " + std::to_string(threads) + " threads per SM, " +
+                         std::to_string(unroll) + " loads of 16 B in flight per thread"};
+      }
+    }
+  return best;
+}
+
+}  // namespace bitdelta::bench

@@ -1,0 +1,28 @@
+// The least time one kernel launch takes to read given bytes (read_floor.cu).
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace bitdelta::bench {
+
+constexpr int kMaxReadRegions = 20;
+
+struct ReadRegion {
+  const void* ptr;  // device memory, 16-byte aligned
+  size_t bytes;     // read in whole 16-byte words (a ragged end is not read)
+};
+
+struct ReadFloor {
+  double us;          // median µs of one launch, the fastest of the forms tried
+  std::string form;   // that form: blocks, threads and loads in flight
+};
+
+// regions(rep): what launch rep reads (callers rotate buffers by rep so that L2 never holds them).
+// Every form (blocks per multiprocessor, threads, loads in flight per thread) is timed over reps
+// launches; the fastest median wins.
+ReadFloor read_floor_us(const std::function<std::vector<ReadRegion>(int)>& regions, int reps);
+
+}  // namespace bitdelta::bench
