@@ -397,6 +397,15 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
         const std::string cs = "c': " + std::to_string(rows) + " rows 1 variant";
         const double tb = time_us([&](int s) { cublas_rows(rows, s); }, preps);
         add({shape, cs, "cuBLAS base-only", tb, double(wbytes), 0, ""});
+        if (rows <= 32) {  // the base alone through the decode kernel: where cuBLAS takes over
+          const double tn = time_us(
+              [&](int s) {
+                DeltaRef none[32];
+                bcuda::fused_linear_decode(W(s), N, K, X, rows, {none, size_t(rows)}, Y, nullptr);
+              },
+              preps);
+          add({shape, cs.substr(0, cs.size() - 9) + "base", "fused decode, no delta", tn, double(wbytes), tb, "x cuBLAS"});
+        }
         const double td = time_us(
             [&](int s) {
               DeltaRef d[32];

@@ -45,13 +45,17 @@ constexpr size_t kDecodeRows = 32;          // rows per fused decode call (its l
 // (≈ 3× the weight's bytes), which wins from about 48 rows (7B-shaped decode at batch 32 of one
 // variant: 16.1 ms through two fused launches per linear, 18.2 ms through W_eff + GEMM with kernel
 // v6; bench/cuda/NOTES.md).
-// Where a variant's rows are all the rows of a weight (nothing to share a decode launch's read of W
-// with), the fused GEMM wins from 8 rows: at 8, 12 and 16 rows of one variant it took 0.91–1.00×
-// the time of one fused decode launch on all five shapes (run 100, case c', after the GEMM stopped
-// zero-filling x's missing rows).
-constexpr size_t kGemmRowsBase = 17, kGemmRowsFused = 17, kGemmRowsMaterialize = 48, kGemmRowsFusedAlone = 8;
+// Where a variant's rows (or the base's) are all the rows of a weight (nothing to share a decode
+// launch's read of W with), a GEMM wins sooner. A variant: from 8 rows, where the fused GEMM took
+// 0.91–1.00× the time of one fused decode launch at 8, 12 and 16 rows on all five shapes (run 100,
+// case c', after the GEMM stopped zero-filling x's missing rows). The base: from 12 rows, where
+// cuBLAS took 0.88–0.94× the decode kernel's time on four shapes and 0.99–1.01× on 4096 × 11008; at
+// 8 rows the decode kernel was faster on two shapes (run 101).
+constexpr size_t kGemmRowsBase = 17, kGemmRowsFused = 17, kGemmRowsMaterialize = 48;
+constexpr size_t kGemmRowsBaseAlone = 12, kGemmRowsFusedAlone = 8;
 size_t gemm_rows(bool with_delta, bool fused, bool alone) {
-  if (with_delta && fused && alone) return kGemmRowsFusedAlone;
+  if (alone && !with_delta) return kGemmRowsBaseAlone;
+  if (alone && fused) return kGemmRowsFusedAlone;
   return !with_delta ? kGemmRowsBase : fused ? kGemmRowsFused : kGemmRowsMaterialize;
 }
 constexpr size_t kPrefillScratch = size_t(16) << 20;  // W_eff chunk elements (×2 buffers, bf16)
