@@ -8,6 +8,7 @@
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
 #include "fused_linear_stream.cuh"
+#include "launch.cuh"
 #include "stream_scratch.cuh"
 
 namespace bitdelta::cuda {
@@ -33,7 +34,6 @@ struct DecodeParams {
   float* y;
   int N, K, KB, rows, k_split, slot_groups, nslots, aligned;
   int base_warps;  // per tile: warps that do the base alone (SPEC kernels), else 0
-  int x_ready;     // xq complete at launch (no programmatic dependent launch)
   // Warp group g of a tile takes slots [g·MAXS, g·MAXS + MAXS) (those below nslots).
   Slot slots[kMaxRows];
   const float* alpha[kMaxRows];  // per row of x; nullptr: no delta
@@ -47,19 +47,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Programmatic dependent launch (sm_90): the decode kernel starts streaming W while the kernel that
-// quantizes x still runs, and waits for it only before its first read of the quantized rows.
-__device__ __forceinline__ void wait_for_prerequisite() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
 }
 
 // Weights are read once: bypass L1. Not volatile, so the compiler may batch all loads before first
@@ -188,6 +175,7 @@ __device__ __forceinline__ void load_slot_x(const DecodeParams& p, const Slot* s
 //     the delta alone (two row groups of x plus the slots did not fit 128 registers at full batches).
 template <int RG, int MAXS, int RS, bool SPEC>
 __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodeParams p) {
+  pdl_launch_dependents();  // launch.cuh: the next kernel may start; this one waits below
   constexpr int MS = MAXS > 0 ? MAXS : 1;
   // 64-column steps of W per load batch.
   constexpr int kU = 2;
@@ -244,6 +232,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   // Combined warps (not SPEC): the base of their K range is split among the tile's slot groups.
   const int bb_begin = SPEC ? 0 : kb_begin + kbs * sgroup / p.slot_groups;
   const int bb_end = SPEC ? 0 : kb_begin + kbs * (sgroup + 1) / p.slot_groups;
+  {  // Before the wait for the kernel before (launch.cuh): this warp's first block of W on its way to
+     // L2 (16 rows × 256 columns: 128 bytes of rows gid and gid + 8 per lane). x and its quantized
+     // rows come from the kernels before; W, the signs and α do not.
+    const int first = SPEC ? (base_role ? nkb * in_tile / p.base_warps : -1) : (bb_begin < bb_end ? bb_begin : -1);
+    const int k = first * kDBlock + t * (kDBlock / 4);
+    if (n0 < N && first >= 0 && k < K) prefetch_l2(wA + k), prefetch_l2(wB + k);
+  }
+  pdl_wait();
   if constexpr (SPEC) {
     if (n0 < N && base_role) {
       // The base over this warp's 1/base_warps of K, batch by batch.
@@ -266,7 +262,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
         for (int d = 0; d < kDU; ++d) {
           const int kb = min(kb0 + d, kb_end - 1);
           load_slot_signs<MAXS>(sgn, nmine, kb, sa[d]);
-          if (kb0 == kb_begin && d == 0) wait_for_prerequisite();
           load_slot_x<MAXS>(p, slots, nmine, kb, lane, xbf[d], sc[d]);
         }
 #pragma unroll
@@ -293,14 +288,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
       uint4 sa[MS], xbf[MS][RS];
       float2 sc[MS][RS];
       // The slots' x fragments: with one row per slot, loaded with the signs (in flight during the
-      // base); with 4 rows per slot, after the base (fewer registers live across it). In the first
-      // block, while the quantizing launch may still run, after its base too: the wait for the
-      // quantized x falls after a block of W's stream instead of stalling it (the signs do not
-      // depend on that launch).
+      // base); with 4 rows per slot, after the base (fewer registers live across it).
       const auto load_x = [&]() { load_slot_x<MAXS>(p, slots, nmine, kb, lane, xbf, sc); };
-      const bool defer = kb == kb_begin && !p.x_ready;
       load_slot_signs<MAXS>(sgn, nmine, kb, sa);
-      if (RS == 1 && !defer) load_x();
+      if (RS == 1) load_x();
       if (has_base) {
         mma_batch(0);
 #pragma unroll 1
@@ -309,8 +300,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
           mma_batch(h);
         }
       }
-      if (MAXS > 0 && defer) wait_for_prerequisite();
-      if (RS > 1 || defer) load_x();
+      if (RS > 1) load_x();
       for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int) {
         delta_block(sa[s], xbf[s][i], sc[s][i].x, pw, dacc[s][i]);
         if (kEarly) sq[s][i] += sc[s][i].x * sc[s][i].y;
@@ -364,19 +354,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
 }
 
 template <int RG, int MAXS, int RS, bool SPEC = false>
-void launch(const DecodeParams& p, bool dependent_launch, cudaStream_t stream) {
+void launch(const DecodeParams& p, cudaStream_t stream) {
   const int tiles = (p.N + 15) / 16, tiles_per_block = kWarps / (p.base_warps + p.k_split * p.slot_groups);
   const int blocks = (tiles + tiles_per_block - 1) / tiles_per_block;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(blocks));
-  cfg.blockDim = dim3(kWarps * 32);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = MAXS > 0 && dependent_launch ? 1 : 0;  // the quantizing kernel precedes it
-  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_kernel<RG, MAXS, RS, SPEC>, p));
+  launch_chained(decode_kernel<RG, MAXS, RS, SPEC>, dim3(unsigned(blocks)), dim3(kWarps * 32), 0, stream, p);
 }
 
 // Slots per warp (1–8 rows of x): one row per slot, 1 or 2 slots per warp; or, when rows of a variant
@@ -384,11 +365,11 @@ void launch(const DecodeParams& p, bool dependent_launch, cudaStream_t stream) {
 // more warps of the tile (slot_groups). All keep a warp within 128 registers (two blocks per
 // multiprocessor).
 template <int RG>
-void launch_slots(DecodeParams& p, bool grouped, bool dependent_launch, cudaStream_t stream) {
+void launch_slots(DecodeParams& p, bool grouped, cudaStream_t stream) {
   p.base_warps = 0;
   if (p.nslots == 0) {
     p.slot_groups = 1;
-    return launch<RG, 0, 1>(p, dependent_launch, stream);
+    return launch<RG, 0, 1>(p, stream);
   }
   if constexpr (RG == 2) {
     // 9–16 rows: both the base and the delta at once did not fit 128 registers without a smaller
@@ -399,18 +380,18 @@ void launch_slots(DecodeParams& p, bool grouped, bool dependent_launch, cudaStre
     const int per = p.nslots <= delta_warps ? 1 : p.nslots <= 2 * delta_warps ? 2 : 4;
     p.slot_groups = (p.nslots + per - 1) / per;
     p.k_split = delta_warps / p.slot_groups;
-    if (grouped) return per == 1 ? launch<RG, 1, 4, true>(p, dependent_launch, stream)
-                                 : launch<RG, 2, 4, true>(p, dependent_launch, stream);
-    if (per == 1) return launch<RG, 1, 1, true>(p, dependent_launch, stream);
-    if (per == 2) return launch<RG, 2, 1, true>(p, dependent_launch, stream);
-    return launch<RG, 4, 1, true>(p, dependent_launch, stream);
+    if (grouped) return per == 1 ? launch<RG, 1, 4, true>(p, stream)
+                                 : launch<RG, 2, 4, true>(p, stream);
+    if (per == 1) return launch<RG, 1, 1, true>(p, stream);
+    if (per == 2) return launch<RG, 2, 1, true>(p, stream);
+    return launch<RG, 4, 1, true>(p, stream);
   } else {
     const int per_warp = p.nslots == 1 || grouped ? 1 : 2;
     p.slot_groups = (p.nslots + per_warp - 1) / per_warp;
     p.k_split = std::max(1, std::min(p.k_split, kWarps / p.slot_groups));
-    if (grouped) return launch<RG, 1, 4>(p, dependent_launch, stream);
-    if (per_warp == 1) return launch<RG, 1, 1>(p, dependent_launch, stream);
-    launch<RG, 2, 1>(p, dependent_launch, stream);
+    if (grouped) return launch<RG, 1, 4>(p, stream);
+    if (per_warp == 1) return launch<RG, 1, 1>(p, stream);
+    launch<RG, 2, 1>(p, stream);
   }
 }
 
@@ -420,7 +401,8 @@ void launch_slots(DecodeParams& p, bool grouped, bool dependent_launch, cudaStre
 constexpr int kPrepWarps = 8, kPrepWarpsPerItem = 4;
 __global__ void __launch_bounds__(kPrepWarps * 32) prepare_x_kernel(const __nv_bfloat16* x, int rows, int K, int KB,
                                                                     uint8_t* xq, int xq_block) {
-  allow_dependent_launch();
+  pdl_launch_dependents();  // launch.cuh
+  pdl_wait();
   const int warp = blockIdx.x * kPrepWarps + threadIdx.x / 32;
   const int item = warp / kPrepWarpsPerItem;
   if (item >= rows * KB) return;  // whole warps
@@ -437,8 +419,9 @@ __global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KB, size
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// Whether a launch on the current device may start early: programmatic dependent launch needs sm_90
-// (the portable build runs elsewhere without it).
+}  // namespace
+
+// launch.cuh. Asked at every launch: the answer is kept per device.
 bool dependent_launch_supported() {
   static std::mutex mutex;
   static std::map<int, bool> supported;
@@ -453,8 +436,6 @@ bool dependent_launch_supported() {
   }
   return it->second;
 }
-
-}  // namespace
 
 size_t packed_signs_bytes(int N, int K) { return packed_sign_words(N, K) * 4; }
 
@@ -547,8 +528,6 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   // The rows of x quantized for the delta term go to a scratch buffer of this stream (calls on one
   // stream reuse it in stream order).
   p.xq_block = quantized_x_block(rows);
-  // Without a quantizing launch before it, the kernel need not start early.
-  const bool dependent_launch = dependent_launch_supported() && !options.xq;
   if (p.nslots && options.xq) {
     if (!aligned16(options.xq)) fail("cuda::fused_linear_decode: quantized x not 16-byte aligned");
     p.xq = options.xq;
@@ -561,14 +540,13 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     StreamArgs a{};
     a.w = w, a.N = N, a.K = K, a.x = x, a.rows = rows, a.deltas = deltas.data();
     a.xq = p.nslots ? p.xq : nullptr;
-    a.y = y, a.k_split = k_split, a.stages = options.stages, a.dependent_launch = dependent_launch;
+    a.y = y, a.k_split = k_split, a.stages = options.stages;
     return fused_linear_stream(a, stream);
   }
-  p.x_ready = !dependent_launch;  // else the quantizing launch may still run when the kernel starts
   if (rows <= 8)
-    launch_slots<1>(p, grouped, dependent_launch, stream);
+    launch_slots<1>(p, grouped, stream);
   else
-    launch_slots<2>(p, grouped, dependent_launch, stream);
+    launch_slots<2>(p, grouped, stream);
 }
 
 size_t quantized_x_bytes(int rows, int K) { return size_t(sign_blocks(K)) * quantized_x_block(rows); }
@@ -576,8 +554,8 @@ size_t quantized_x_bytes(int rows, int K) { return size_t(sign_blocks(K)) * quan
 void quantize_x(const __nv_bfloat16* x, int rows, int K, uint8_t* xq, cudaStream_t stream) {
   if (rows < 1 || rows > kMaxDecodeRows || K < 1) fail("cuda::quantize_x: ", rows, " rows of ", K, " columns");
   const int KB = sign_blocks(K), warps = rows * KB * kPrepWarpsPerItem;
-  prepare_x_kernel<<<unsigned((warps + kPrepWarps - 1) / kPrepWarps), kPrepWarps * 32, 0, stream>>>(
-      x, rows, K, KB, xq, quantized_x_block(rows));
+  launch_chained(prepare_x_kernel, dim3(unsigned((warps + kPrepWarps - 1) / kPrepWarps)), dim3(kPrepWarps * 32), 0,
+                 stream, x, rows, K, KB, xq, quantized_x_block(rows));
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 

@@ -8,6 +8,7 @@
 
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
+#include "launch.cuh"
 #include "packed_signs.h"
 #include "stream_scratch.cuh"
 #include "tma.cuh"
@@ -43,7 +44,6 @@ struct StreamParams {
   // Units: `whole` tiles over all of K (units 0..whole−1, tiles 0..whole−1), then the other tiles in ks
   // parts of K each (the split ones).
   int N, KB, rows, nvar, nd, whole, ks, units, stages, stage_bytes, tx_bytes, xq_block;
-  int x_ready;  // xq complete at launch (no programmatic dependent launch): no stage waits for it
 };
 
 #ifdef BITDELTA_FUSED_WGMMA
@@ -84,6 +84,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[BN / 2], uint64_t da, uint64
 template <int BN, int ND>
 __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_constant__ StreamParams p) {
 #ifdef BITDELTA_FUSED_WGMMA
+  pdl_launch_dependents();  // launch.cuh: the next kernel may start; this one waits below
   constexpr int kXStage = 4 * BN * 128;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -113,12 +114,25 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  if (tid == kConsumers) {
+    // Before the wait for the kernel before (launch.cuh): W's first S stages on their way to L2. x,
+    // its quantized rows and the scratch of split tiles come from or go to other kernels; W, the
+    // signs and α do not.
+    int it = 0;
+    for (int u = int(blockIdx.x); u < p.units && it < S; u += grid) {
+      int n0, kb0, nst;
+      unit_range(u, n0, kb0, nst);
+      for (int i = 0; i < nst && it < S; ++i, ++it)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) tma_prefetch_2d(&p.w, (kb0 + i) * kBK + 64 * c, n0);
+    }
+  }
+  pdl_wait();
 
   if (tid >= kConsumers) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     if (tid == kConsumers) {
-      // W, x and the sign tiles of ring stage `it` (block kb of the tile at n0; none of them written by
-      // the quantizing launch), and its bit-planes.
+      // W, x and the sign tiles of ring stage `it` (block kb of the tile at n0), and its bit-planes.
       const auto issue_main = [&](int it, int n0, int kb) {
         const int slot = it % S, k0 = kb * kBK;
         const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
@@ -134,31 +148,15 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         tma_1d(smem_addr(smem + slot * p.stage_bytes + xq_off), p.xq + size_t(kb) * p.xq_block,
                uint32_t(p.xq_block), full0 + 8 * slot);
       };
-      // The first S stages go out before the wait for the quantizing launch, so that W's stream
-      // overlaps it; their bit-planes follow it.
-      int it = 0, pending = p.x_ready ? -1 : 0, pending_kb[kMaxStages];
+      int it = 0;
       for (int u = int(blockIdx.x); u < p.units; u += grid) {
         int n0, kb0, nst;
         unit_range(u, n0, kb0, nst);
         for (int i = 0; i < nst; ++i, ++it) {
-          if (it == S && pending > 0) {
-            asm volatile("griddepcontrol.wait;\n" ::: "memory");
-            for (int q = 0; q < pending; ++q) issue_xq(q, pending_kb[q]);
-            pending = -1;
-          }
           if (it >= S) mbar_wait(empty0 + 8 * (it % S), ((it / S) & 1) ^ 1);
           issue_main(it, n0, kb0 + i);
-          if (p.nvar > 0) {
-            if (pending >= 0)
-              pending_kb[pending++] = kb0 + i;
-            else
-              issue_xq(it, kb0 + i);
-          }
+          if (p.nvar > 0) issue_xq(it, kb0 + i);
         }
-      }
-      if (pending > 0) {  // fewer stages than the ring holds
-        asm volatile("griddepcontrol.wait;\n" ::: "memory");
-        for (int q = 0; q < pending; ++q) issue_xq(q, pending_kb[q]);
       }
     }
     __syncwarp();
@@ -447,18 +445,8 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   }
   const int smem = 1024 + p.stages * p.stage_bytes + kBM * BN * 4 + 16 * p.stages + 16;
 
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(std::min(p.units, info.sms)));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = size_t(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.nd > 0 && a.dependent_launch ? 1 : 0;
-  p.x_ready = cfg.numAttrs == 0;
-  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernels[BN == 8 ? 0 : BN == 16 ? 1 : 2][nd_index(p.nd)], p));
+  launch_chained(kKernels[BN == 8 ? 0 : BN == 16 ? 1 : 2][nd_index(p.nd)], dim3(unsigned(std::min(p.units, info.sms))),
+                 dim3(kThreads), size_t(smem), stream, p);
 }
 
 }  // namespace bitdelta::cuda

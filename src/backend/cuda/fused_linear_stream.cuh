@@ -35,7 +35,6 @@ struct StreamArgs {
   float* y = nullptr;                // [rows, N]
   int k_split = 0;                   // > 0: every tile in k_split parts; 0 = split only the leftover tiles
   int stages = 0;                    // 0 = as many as fit
-  bool dependent_launch = false;     // the quantizing launch precedes it (programmatic dependent launch)
 };
 
 // Whether the current device runs the kernel (sm_90 with the tensor-map encoder) and takes these

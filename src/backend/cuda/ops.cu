@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "cuda_check.cuh"
+#include "launch.cuh"
 #include "stream_scratch.cuh"
 
 namespace bitdelta::cuda {
@@ -40,6 +41,8 @@ __device__ float block_reduce(float v, Op op) {
 __device__ float block_sum(float v) { return block_reduce(v, Add{}); }
 
 __global__ void embed_kernel(const RowDesc* rows, int hidden, float* x) {
+  pdl_launch_dependents();  // launch.cuh
+  pdl_wait();
   const RowDesc row = rows[blockIdx.x];
   const __nv_bfloat16* e = row.embed + size_t(row.token) * hidden;
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) x[size_t(blockIdx.x) * hidden + i] = __bfloat162float(e[i]);
@@ -52,6 +55,8 @@ __global__ void embed_kernel(const RowDesc* rows, int hidden, float* x) {
 template <int PER>
 __global__ void add_rmsnorm_kernel(float* x, const float* add, const RowDesc* rows, const int* row_map,
                                    int hidden, int norm_offset, int bias_offset, float eps, __nv_bfloat16* out) {
+  pdl_launch_dependents();  // launch.cuh
+  pdl_wait();
   const int s = row_map ? row_map[blockIdx.x] : int(blockIdx.x);
   float* xr = x + size_t(s) * hidden;
   const float* bias = bias_offset >= 0 && rows[s].bias ? rows[s].bias + bias_offset : nullptr;
@@ -88,6 +93,8 @@ __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q,
                                                                        int q_stride, int kv_stride, const RowDesc* rows,
                                                                        int layer, int heads, int kv_heads,
                                                                        int head_dim, int hidden, const float* inv_freq) {
+  pdl_launch_dependents();  // launch.cuh
+  pdl_wait();
   const int r = blockIdx.x;
   const RowDesc row = rows[r];
   const int half = head_dim / 2, q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
@@ -146,6 +153,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
                                                                     const int2* tiles, int layer,
                                                                     int heads, int kv_heads, int head_dim,
                                                                     float scale, __nv_bfloat16* out) {
+  pdl_launch_dependents();  // launch.cuh
+  pdl_wait();
   const int h = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int2 tile = tiles[blockIdx.x];  // first row, row count
   const RowDesc first = rows[tile.x];
@@ -310,6 +319,8 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
                                                                            float scale, int split_len, float* part,
                                                                            unsigned* arrived, int max_splits,
                                                                            __nv_bfloat16* out) {
+  pdl_launch_dependents();  // launch.cuh
+  pdl_wait();
   const int hg = blockIdx.x, r = blockIdx.y, sp = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int h0 = hg * G;  // the block's q heads: h0 .. h0 + G − 1
   const RowDesc row = rows[r];
@@ -542,6 +553,8 @@ int split_blocks_wave(int dpl, int g) {
 // 4 columns per thread: q_dim and q_stride multiples of 4, q 16-byte aligned (attention_prompt checks).
 __global__ void split_query_kernel(const float* q, int q_stride, int q_dim, float scale, __nv_bfloat16* hi,
                                    __nv_bfloat16* lo) {
+  pdl_launch_dependents();  // launch.cuh
+  pdl_wait();
   const size_t r = blockIdx.y;
   for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * 4; i < q_dim; i += gridDim.x * blockDim.x * 4) {
     const float4 v = *reinterpret_cast<const float4*>(q + r * q_stride + i);
@@ -560,6 +573,8 @@ __global__ void split_query_kernel(const float* q, int q_stride, int q_dim, floa
 // One row (head, query i) of the scores per block, pitch ld: the softmax over keys [0, p0 + i] in
 // float32, written as bf16 probabilities; 0 for the keys after it (the next GEMM reads them too).
 __global__ void causal_softmax_kernel(const float* scores, int n, int ld, int p0, __nv_bfloat16* probs) {
+  pdl_launch_dependents();  // launch.cuh
+  pdl_wait();
   const size_t row = blockIdx.x;  // head·n + i
   const int valid = p0 + int(row % size_t(n)) + 1;
   const float* sr = scores + row * ld;
@@ -580,6 +595,8 @@ __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f
 // on the 7B shape (ncu, run 79).
 template <bool Vec>
 __global__ void swiglu_kernel(const float* gate, const float* up, int stride, int n, __nv_bfloat16* out) {
+  pdl_launch_dependents();  // launch.cuh
+  pdl_wait();
   const size_t r = blockIdx.y;
   if constexpr (Vec) {
     const float4* g4 = reinterpret_cast<const float4*>(gate + r * stride);
@@ -601,7 +618,7 @@ __global__ void swiglu_kernel(const float* gate, const float* up, int stride, in
 
 void embed_rows(const RowDesc* rows, int n_rows, int hidden, float* x, cudaStream_t stream) {
   if (n_rows == 0) return;
-  embed_kernel<<<n_rows, 256, 0, stream>>>(rows, hidden, x);
+  launch_chained(embed_kernel, dim3(unsigned(n_rows)), dim3(256), 0, stream, rows, hidden, x);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
@@ -611,9 +628,11 @@ void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row
   // 8 elements per thread up to 8192 (1024 threads), then 32 (hidden ≤ 32768).
   const int threads = std::max(64, std::min(1024, (hidden + 8 * 32 - 1) / (8 * 32) * 32));
   if (hidden <= 8 * threads)
-    add_rmsnorm_kernel<8><<<n_out, threads, 0, stream>>>(x, add, rows, row_map, hidden, norm_offset, bias_offset, eps, out);
+    launch_chained(add_rmsnorm_kernel<8>, dim3(unsigned(n_out)), dim3(unsigned(threads)), 0, stream, x, add, rows, row_map,
+                   hidden, norm_offset, bias_offset, eps, out);
   else if (hidden <= 32 * 1024)
-    add_rmsnorm_kernel<32><<<n_out, 1024, 0, stream>>>(x, add, rows, row_map, hidden, norm_offset, bias_offset, eps, out);
+    launch_chained(add_rmsnorm_kernel<32>, dim3(unsigned(n_out)), dim3(1024), 0, stream, x, add, rows, row_map, hidden,
+                   norm_offset, bias_offset, eps, out);
   else
     fail("cuda::add_rmsnorm: hidden ", hidden, " (at most 32768)");
   BITDELTA_CUDA_CHECK_LAUNCH();
@@ -631,8 +650,8 @@ void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int
   const int items = (heads + kv_heads) * head_dim / 2 + kv_heads * head_dim;
   const int per_row = std::max(1, std::min({(items + kRopeThreads - 1) / kRopeThreads, 32, 1024 / n_rows}));
   const dim3 grid{unsigned(n_rows), unsigned(per_row)};
-  bias_rope_store_kernel<<<grid, kRopeThreads, 0, stream>>>(q, k, v, q_stride, kv_stride, rows, layer, heads,
-                                                            kv_heads, head_dim, hidden, inv_freq);
+  launch_chained(bias_rope_store_kernel, grid, dim3(kRopeThreads), 0, stream, q, k, v, q_stride, kv_stride, rows, layer,
+                 heads, kv_heads, head_dim, hidden, inv_freq);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
@@ -684,7 +703,7 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
     const dim3 grid{unsigned(heads / g), unsigned(n_tiles), unsigned(max_splits)};
     void* args[] = {&q, &q_stride, &rows, &layer, &heads, &kv_heads, &head_dim, &scale, &split_len, &part,
                     &arrived, &max_splits, &out};
-    BITDELTA_CUDA_CHECK(cudaLaunchKernel(split_kernel(dpl, g), grid, dim3(kSplitWarps * 32), args, 0, stream));
+    launch_chained(split_kernel(dpl, g), grid, dim3(kSplitWarps * 32), 0, stream, args);
     BITDELTA_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -694,8 +713,8 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
     switch (dpl) {
 #define BITDELTA_ATTN_CASE(D)                                                                                 \
   case D:                                                                                                     \
-    attention_kernel<QT, D><<<grid, (QT == 1 ? 8 : 4) * 32, 0, stream>>>(q, q_stride, rows, tiles, layer, heads, \
-                                                                  kv_heads, head_dim, scale, out);            \
+    launch_chained(attention_kernel<QT, D>, grid, dim3((QT == 1 ? 8 : 4) * 32), 0, stream, q, q_stride, rows, tiles, \
+                   layer, heads, kv_heads, head_dim, scale, out);                                             \
     break;
       BITDELTA_ATTN_CASE(1)
       BITDELTA_ATTN_CASE(2)
@@ -741,8 +760,8 @@ void attention_prompt(cublasHandle_t handle, const float* q, int q_stride, const
     auto* sc = static_cast<float*>(stream_scratch(ScratchUse::kPromptScores, stream, size_t(heads) * m * ld * sizeof(float)));
     auto* pr = static_cast<__nv_bfloat16*>(
         stream_scratch(ScratchUse::kPromptProbs, stream, size_t(heads) * m * ld * sizeof(__nv_bfloat16)));
-    split_query_kernel<<<dim3(unsigned(std::min((q_dim / 4 + 255) / 256, 64)), unsigned(m)), 256, 0, stream>>>(
-        q + size_t(first + i0) * q_stride, q_stride, q_dim, scale, qh, ql);
+    launch_chained(split_query_kernel, dim3(unsigned(std::min((q_dim / 4 + 255) / 256, 64)), unsigned(m)), dim3(256), 0,
+                   stream, q + size_t(first + i0) * q_stride, q_stride, q_dim, scale, qh, ql);
     BITDELTA_CUDA_CHECK_LAUNCH();
     // Per q head h = kvh·g + o, batched over the kv heads. Column-major (cuBLAS): S_hᵀ (nkeys × m, pitch
     // ld) = K_kvh (head_dim × nkeys, pitch kv_dim)ᵀ · Q_h (head_dim × m, pitch q_dim), i.e. S_h[i][j]
@@ -754,7 +773,7 @@ void attention_prompt(cublasHandle_t handle, const float* q, int q_stride, const
             (part ? ql : qh) + size_t(o) * head_dim, CUDA_R_16BF, q_dim, (long long)(g) * head_dim, part ? &one : &zero,
             sc + size_t(o) * m * ld, CUDA_R_32F, ld, (long long)(g) * m * ld, kv_heads, CUBLAS_COMPUTE_32F,
             CUBLAS_GEMM_DEFAULT));
-    causal_softmax_kernel<<<unsigned(size_t(heads) * m), 128, 0, stream>>>(sc, m, ld, p0, pr);
+    launch_chained(causal_softmax_kernel, dim3(unsigned(size_t(heads) * m)), dim3(128), 0, stream, sc, m, ld, p0, pr);
     BITDELTA_CUDA_CHECK_LAUNCH();
     for (int o = 0; o < g; ++o)
       BITDELTA_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
@@ -773,9 +792,9 @@ void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, _
   const int per_thread = vec ? 4 : 1;
   const dim3 grid{unsigned(std::min((n / per_thread + 255) / 256, 64)), unsigned(n_rows)};
   if (vec)
-    swiglu_kernel<true><<<grid, 256, 0, stream>>>(gate, up, stride, n, out);
+    launch_chained(swiglu_kernel<true>, grid, dim3(256), 0, stream, gate, up, stride, n, out);
   else
-    swiglu_kernel<false><<<grid, 256, 0, stream>>>(gate, up, stride, n, out);
+    launch_chained(swiglu_kernel<false>, grid, dim3(256), 0, stream, gate, up, stride, n, out);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,0 +1,71 @@
+// Programmatic dependent launch (sm_90+) along the decode step. Every kernel that the model runs on
+// its stream, except cuBLAS's and the prefill GEMM's, is launched with launch_chained, so that it may
+// start while the kernel before it still runs. The rule that keeps this correct: each such kernel
+// calls pdl_launch_dependents() first (the next kernel may then start too) and pdl_wait() before any
+// access to memory that a kernel writes. Only reads of weights and deltas (written before any step,
+// with the stream synchronized) may come before the wait; the linear kernels use that time to bring
+// their first blocks of W into L2. A kernel past its wait knows that every earlier kernel on the
+// stream has finished: its predecessor has, and that one passed its own wait before finishing.
+// A kernel launched the ordinary way (cuBLAS) never signals early, so the next one starts after it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "cuda_check.cuh"
+
+namespace bitdelta::cuda {
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// A hint that the 128-byte line at p will be read soon (global memory, to L2).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
+// Whether the current device runs programmatic dependent launch (sm_90+; the portable build runs
+// elsewhere without it, every kernel then starting after the one before).
+bool dependent_launch_supported();
+
+// The launch of a kernel allowed to start before the previous kernel on the stream finishes (see
+// above); attr is its storage.
+inline cudaLaunchConfig_t chained_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                         cudaLaunchAttribute& attr) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = dependent_launch_supported() ? 1 : 0;
+  return cfg;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), chained.
+template <typename... Params, typename... Args>
+void launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                    Args&&... args) {
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = chained_config(grid, block, smem, stream, attr);
+  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// The same for a kernel chosen at run time, its arguments as an array of pointers.
+inline void launch_chained(const void* kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void** args) {
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = chained_config(grid, block, smem, stream, attr);
+  BITDELTA_CUDA_CHECK(cudaLaunchKernelExC(&cfg, kernel, args));
+}
+
+}  // namespace bitdelta::cuda
