@@ -38,6 +38,7 @@ using bitdelta::bench::DeviceMem;
 using bitdelta::bench::read_floor_us;
 using bitdelta::bench::ReadFloor;
 using bitdelta::bench::ReadRegion;
+using bitdelta::bench::time_chain_us;
 using bitdelta::bench::time_pair_us;
 using bitdelta::bench::time_us;
 using bf16 = __nv_bfloat16;
@@ -174,6 +175,16 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           },
           reps);
       add({shape, "a: 1 row 1 variant", "registers, x quantized before", t, bytes, t_cublas, "x cuBLAS"});
+      // 20 calls back to back, each free to start during the last (as a step's kernels are).
+      const double tc = time_chain_us(
+          [&](int s) {
+            const DeltaRef d = delta(s, 0);
+            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {0, 0, kRegisters});
+          },
+          20);
+      add({shape, "a: 1 row 1 variant", "chain of 20 calls", tc, bytes, t_cublas, "x cuBLAS"});
+      const double tcb = time_chain_us([&](int s) { cublas_rows(1, s); }, 20);
+      add({shape, "a: 1 row base", "cuBLAS, chain of 20 calls", tcb, double(wbytes), t_cublas, "x cuBLAS"});
       const double tq = time_us([&](int) { bcuda::quantize_x(X, 1, K, q, nullptr); }, reps);
       add({shape, "a: quantize x", "quantize_x alone (1 row)", tq, K * 2.0 + double(bcuda::quantized_x_bytes(1, K)), 0, ""});
     }
@@ -264,6 +275,14 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           },
           reps);
       add({shape, "b: 16 rows 16 variants", "stream, x quantized before", t, bytes, roof, "x roofline"});
+      const double tc = time_chain_us(
+          [&](int s) {
+            DeltaRef d[kVariants];
+            for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v);
+            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {0, 0, kStream});
+          },
+          20);
+      add({shape, "b: 16 rows 16 variants", "stream, chain of 20 calls", tc, bytes, roof, "x roofline"});
       const double tq = time_us([&](int) { bcuda::quantize_x(X, kVariants, K, q, nullptr); }, reps);
       add({shape, "b: quantize x", "quantize_x alone (16 rows)", tq,
            kVariants * K * 2.0 + double(bcuda::quantized_x_bytes(kVariants, K)), 0, ""});
