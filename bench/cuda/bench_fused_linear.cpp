@@ -345,17 +345,17 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     if (profile_only) return;
   }
   // (c) 512 rows (or prefill_rows), one variant.
+  using M = bcuda::PrefillMethod;
+  using FC = bcuda::PrefillLinear::FusedConfig;
+  using FS = bcuda::FusedSplit;
   const int preps = profile_only ? 2 : wbytes > (200u << 20) ? 20 : 50;
+  const double w_s_bytes = double(wbytes + sbytes);  // W and one variant's signs
   if (!few_rows_only) {
     const double t_cublas = time_us([&](int s) { cublas_rows(kPrefillRows, s); }, preps);
     const double flops = 2.0 * kPrefillRows * N * K;
     add({shape, c_rows + " base",
          "cuBLAS GemmEx " + std::to_string(int(flops / t_cublas / 1e6)) + " TF/s", t_cublas,
          double(wbytes), 0, ""});
-    const double bytes = double(wbytes + sbytes);
-    using M = bcuda::PrefillMethod;
-    using FC = bcuda::PrefillLinear::FusedConfig;
-    using FS = bcuda::FusedSplit;
     struct Config {
       M method;
       const char* name;
@@ -395,7 +395,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       }
       add({shape, c_rows + " 1 variant",
            std::string(c.name) + (c.chunk ? " chunk " + std::to_string(std::min(c.chunk, N)) : std::string()),
-           t, bytes, tc, "x cuBLAS"});
+           t, w_s_bytes, tc, "x cuBLAS"});
     }
     prefill.set_fused_config({});
     // cuBLAS alone again, after all the forms: how far the clocks moved since the first row.
@@ -407,10 +407,6 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // Few rows of one variant (a decode batch of one fine-tune): 32-row fused decode launches (each
   // reading W) against the fused GEMM (one read of W), next to cuBLAS on the base.
   {
-    using M = bcuda::PrefillMethod;
-    using FC = bcuda::PrefillLinear::FusedConfig;
-    using FS = bcuda::FusedSplit;
-    const double bytes = double(wbytes + sbytes);
     if (!profile_only)
       for (int rows : {8, 12, 16, 17, 24, 32, 48}) {
         const std::string cs = "c': " + std::to_string(rows) + " rows 1 variant";
@@ -434,7 +430,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                                            {d, size_t(std::min(32, rows - r0))}, Y + size_t(r0) * N, nullptr);
             },
             preps);
-        add({shape, cs, "fused decode, 32-row calls", td, bytes, tb, "x cuBLAS"});
+        add({shape, cs, "fused decode, 32-row calls", td, w_s_bytes, tb, "x cuBLAS"});
         const std::pair<const char*, FC> forms[] = {{"fused GEMM", {}},
                                                     {"fused GEMM tile/block", {64, 64, FS::kTilePerBlock}},
                                                     {"fused GEMM stream-K", {64, 64, FS::kStreamK}}};
@@ -442,7 +438,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           prefill.set_fused_config(config);
           const double tf = time_us(
               [&](int s) { prefill.run(M::kFused, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
-          add({shape, cs, name, tf, bytes, tb, "x cuBLAS"});
+          add({shape, cs, name, tf, w_s_bytes, tb, "x cuBLAS"});
         }
         prefill.set_fused_config({});
       }

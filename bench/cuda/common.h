@@ -88,23 +88,7 @@ inline std::pair<double, double> time_pair_us(const std::function<void(int)>& fa
 // costs where the launches before and after it overlap its start and end (programmatic dependent
 // launch, src/backend/cuda/launch.cuh), as the kernels of a decode step do. fn(i) as in time_us.
 inline double time_chain_us(const std::function<void(int)>& fn, int calls) {
-  cudaEvent_t e0, e1;
-  BITDELTA_CUDA_CHECK(cudaEventCreate(&e0));
-  BITDELTA_CUDA_CHECK(cudaEventCreate(&e1));
-  for (int i = 0; i < calls; ++i) fn(i);
-  std::vector<double> t;
-  for (int r = 1; r <= 15; ++r) {
-    BITDELTA_CUDA_CHECK(cudaEventRecord(e0, nullptr));
-    for (int i = 0; i < calls; ++i) fn(r * calls + i);
-    BITDELTA_CUDA_CHECK(cudaEventRecord(e1, nullptr));
-    BITDELTA_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    BITDELTA_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms * 1e3 / calls);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return median(std::move(t));
+  return time_us([&](int r) { for (int i = 0; i < calls; ++i) fn(r * calls + i); }, 15, 1) / calls;
 }
 
 // A device-to-device copy of 2 GiB, median of 20: bytes read + written per second.

@@ -47,9 +47,9 @@ constexpr size_t kDecodeRows = 32;          // rows per fused decode call (its l
 // v6; bench/cuda/NOTES.md).
 // Where a variant's rows (or the base's) are all the rows of a weight (nothing to share a decode
 // launch's read of W with), a GEMM wins sooner. A variant: from 8 rows, where the fused GEMM took
-// 0.91–1.00× the time of one fused decode launch at 8, 12 and 16 rows on all five shapes (run 100,
+// 0.81–1.00× the time of one fused decode launch at 8, 12 and 16 rows on all five shapes (run 100,
 // case c', after the GEMM stopped zero-filling x's missing rows). The base: from 12 rows, where
-// cuBLAS took 0.88–0.94× the decode kernel's time on four shapes and 0.99–1.01× on 4096 × 11008; at
+// cuBLAS took 0.88–0.94× the decode kernel's time on four shapes and 0.99× on 4096 × 11008; at
 // 8 rows the decode kernel was faster on two shapes (run 101).
 constexpr size_t kGemmRowsBase = 17, kGemmRowsFused = 17, kGemmRowsMaterialize = 48;
 constexpr size_t kGemmRowsBaseAlone = 12, kGemmRowsFusedAlone = 8;

@@ -1,9 +1,8 @@
 #include "fused_linear_decode.cuh"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
-#include <map>
-#include <mutex>
 
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
@@ -421,20 +420,21 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 }  // namespace
 
-// launch.cuh. Asked at every launch: the answer is kept per device.
+// launch.cuh. Asked at every launch (hundreds per decode step), so the answer is kept per device
+// without a lock: 0 unknown, 1 no, 2 yes.
 bool dependent_launch_supported() {
-  static std::mutex mutex;
-  static std::map<int, bool> supported;
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices];
   int dev = 0;
   BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard lock(mutex);
-  auto [it, fresh] = supported.try_emplace(dev, false);
-  if (fresh) {
+  int v = dev < kDevices ? known[dev].load(std::memory_order_relaxed) : 0;
+  if (v == 0) {
     int major = 0;
     BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    it->second = major >= 9;
+    v = major >= 9 ? 2 : 1;
+    if (dev < kDevices) known[dev].store(v, std::memory_order_relaxed);
   }
-  return it->second;
+  return v == 2;
 }
 
 size_t packed_signs_bytes(int N, int K) { return packed_sign_words(N, K) * 4; }

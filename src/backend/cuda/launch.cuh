@@ -1,6 +1,6 @@
 // Programmatic dependent launch (sm_90+) along the decode step. Every kernel that the model runs on
-// its stream, except cuBLAS's and the prefill GEMM's, is launched with launch_chained, so that it may
-// start while the kernel before it still runs. The rule that keeps this correct: each such kernel
+// its stream, except cuBLAS's and the prefill path's own (the fused GEMM, the W_eff expansion), is
+// launched with launch_chained, so that it may start while the kernel before it still runs. The rule that keeps this correct: each such kernel
 // calls pdl_launch_dependents() first (the next kernel may then start too) and pdl_wait() before any
 // access to memory that a kernel writes. Only reads of weights and deltas (written before any step,
 // with the stream synchronized) may come before the wait; the linear kernels use that time to bring
