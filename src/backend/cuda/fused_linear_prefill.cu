@@ -77,7 +77,7 @@ struct FusedTile {
   static constexpr int kSignBytes = BM / 16 * 8 * 2 * 4 * 4;
   static constexpr int kStageBytes = kWBytes + kXBytes + kSignBytes;
   // As many stages as fit (12 for 64 × 64 tiles, which stream W for few rows of x; they had 6 until
-  // run 97, with no clear change from 12; what held them at 0.6 of the copy rate was x's box,
+  // run 97, with no clear change from 12; what held them at 0.32–0.68 of the copy rate was x's box,
   // FusedMaps).
   static constexpr int kStages = (220 * 1024 - 1024) / kStageBytes;
   static constexpr int kSmem = kStages * kStageBytes + 2 * kStages * 8 + 1024;
