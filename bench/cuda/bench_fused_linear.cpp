@@ -4,7 +4,8 @@
 //   (b) 16 rows from 16 distinct variants vs the byte roofline (2NK + 16·NK/8 bytes ÷ copy
 //   bandwidth) (c) 512 rows, 1 variant: prefill methods vs cuBLAS base-only GEMM
 // Modes: (none) all cases at the five shapes; --prefill [N K ...] case (c) only, at those shapes or
-// the five; --few-rows [N K ...] case c' (8–48 rows of one variant) only; --quick the first shape; --profile [N K], --profile-prefill [N K [rows]] few reps (for ncu).
+// the five; --few-rows [N K ...] case c' (8–48 rows of one variant) only; --quick the first shape; --profile [N K], --profile-prefill [N K [rows]] few reps (for ncu);
+// --tile-read [N K ...] the streaming kernel's TMA ring alone in several stage geometries (tile_read.h).
 // Timing: CUDA events around each call, warm-up, median of many reps; every rep uses the next of
 // several weight/sign buffer sets so that the 60 MB L2 never serves them; data random (never
 // zeros). The device-to-device copy bandwidth (read + write) is measured in the same run: the
@@ -29,6 +30,7 @@
 #include "backend/cuda/fused_linear_prefill.cuh"
 #include "common.h"
 #include "read_floor.h"
+#include "tile_read.h"
 
 namespace {
 
@@ -446,6 +448,62 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+// The TMA ring of the streaming kernel with nothing consuming it (tile_read.h), in several stage
+// geometries, against the floor of a plain read of the same bytes: W alone, and W with 16 variants'
+// signs (case b).
+void bench_tile_read(const RandomFill& rnd, int N, int K) {
+  using bitdelta::bench::TileReadConfig;
+  using bitdelta::bench::TileReadSet;
+  const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
+  const int kVariants = 16, nsets = int(std::max<size_t>(2, (240u << 20) / (wbytes + kVariants * sbytes) + 1));
+  std::vector<std::unique_ptr<DeviceMem>> mem;
+  std::vector<TileReadSet> sets;
+  for (int s = 0; s < nsets; ++s) {
+    mem.push_back(std::make_unique<DeviceMem>(wbytes));
+    rnd.fill(mem.back()->ptr, wbytes, true);
+    TileReadSet set{mem.back()->ptr, {}};
+    for (int v = 0; v < kVariants; ++v) {
+      mem.push_back(std::make_unique<DeviceMem>(sbytes));
+      rnd.fill(mem.back()->ptr, sbytes, false);
+      set.signs.push_back(mem.back()->ptr);
+    }
+    sets.push_back(set);
+  }
+  const std::string shape = std::to_string(N) + "x" + std::to_string(K);
+  const int reps = wbytes > (200u << 20) ? 30 : 60;
+  const ReadFloor fw = read_floor_us([&](int s) { return std::vector<ReadRegion>{{sets[s % nsets].w, wbytes}}; }, reps);
+  const ReadFloor fb = read_floor_us(
+      [&](int s) {
+        std::vector<ReadRegion> r{{sets[s % nsets].w, wbytes}};
+        for (int v = 0; v < kVariants; ++v) r.push_back({sets[s % nsets].signs[size_t(v)], sbytes});
+        return r;
+      },
+      reps);
+  add({shape, "t: floor", "W", fw.us, double(wbytes), 0, ""});
+  add({shape, "t: floor", "W + 16 signs", fb.us, double(wbytes + kVariants * sbytes), 0, ""});
+  // {rows, cols, stages, blocks per SM, variants, side bytes, rotate}
+  // The streaming kernel's other bytes per stage at 16 rows: x (16 × 256 bf16) and its bit-planes
+  // (quantized_x_block(16) = 256 + 16 · 512, delta_b1.cuh).
+  const int x16 = 16 * 256 * 2 + 256 + 16 * 512;
+  const std::vector<TileReadConfig> configs = {
+      {64, 256, 2}, {64, 256, 3}, {64, 256, 4}, {64, 256, 5}, {64, 256, 6}, {64, 256, 5, 1, 0, 8192},
+      {64, 256, 5, 1, 0, 0, true}, {64, 256, 3, 2}, {32, 256, 6}, {32, 256, 8}, {32, 256, 6, 2},
+      {32, 512, 4}, {32, 512, 6}, {16, 1024, 4}, {16, 1024, 6}, {16, 512, 8}, {128, 256, 3}, {64, 512, 3},
+      {64, 256, 2, 1, 16, x16}, {64, 256, 2, 1, 16}, {64, 256, 3, 1, 16}, {64, 256, 3, 1, 16, 0, true},
+      {32, 256, 4, 1, 16}, {32, 256, 6, 1, 16}, {32, 256, 4, 1, 16, x16}, {32, 256, 3, 2, 16},
+      {32, 512, 3, 1, 16}, {16, 256, 8, 1, 16}, {16, 512, 6, 1, 16}};
+  for (const TileReadConfig& c : configs) {
+    if (K % c.cols) continue;
+    const double bytes = double(wbytes) + (c.variants ? double(c.variants) * sbytes : 0.0);
+    try {
+      const double t = bitdelta::bench::tile_read_us(c, sets, N, K, reps);
+      add({shape, "t: TMA ring", c.name(), t, bytes, c.variants ? fb.us : fw.us, "x floor"});
+    } catch (const std::exception& e) {
+      std::printf("%-12s t: %s: %s\n", shape.c_str(), c.name().c_str(), e.what());
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -472,6 +530,14 @@ int main(int argc, char** argv) {
       const int rows = argc > 4 ? std::atoi(argv[4]) : 512;
       if (rows < 1) throw std::runtime_error("--profile-prefill: rows must be at least 1");
       return bench_shape(rnd, prefill, pn, pk, true, true, rows), 0;
+    }
+    if (mode == "--tile-read") {  // [N K ...], default the five shapes
+      if (argc > 3) {
+        shapes.clear();
+        for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
+      }
+      for (auto [N, K] : shapes) bench_tile_read(rnd, N, K);
+      return 0;
     }
     if (mode == "--quick") shapes.resize(1);
     if (mode == "--prefill" && argc > 3) {  // --prefill N K [N K ...]: case (c) at these shapes instead
