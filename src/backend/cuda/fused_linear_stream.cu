@@ -36,13 +36,13 @@ struct StreamParams {
   const uint8_t* xq;
   float* y;
   float* parts;        // split tiles: [split tile][part][BN][64] partial sums
-  unsigned* arrived;   // split tiles: parts done (the last one resets it)
+  unsigned* arrived;   // split tiles: early parts written (the final part resets it)
   const float* alpha[kMaxRows];  // per delta row
   int drow[kMaxRows];            // delta rows: row of x, and index into signs
   int dvar[kMaxRows];
   int alpha_per_row[kMaxRows];
   // Units: `whole` tiles over all of K (units 0..whole−1, tiles 0..whole−1), then the other tiles in ks
-  // parts of K each (the split ones).
+  // parts of K each (the split ones: ks − 1 early parts and a final one).
   int N, KB, rows, nvar, nd, whole, ks, units, stages, stage_bytes, tx_bytes, xq_block;
 };
 
@@ -75,9 +75,13 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[BN / 2], uint64_t da, uint64
 #endif
 
 // Persistent: block b takes units b, b + grid, ... (unit = a 64-row tile over all of K, or one of ks
-// parts of K for the tiles left over when the whole ones are spread evenly: each block's split unit
-// comes last, so that its epilogue, which waits on memory, does not hold up the ring). The producer's
-// ring runs on across units, so a unit's first copies fly while the last one's epilogue runs.
+// parts of K for the tiles left over when the whole ones are spread evenly). A block takes its early
+// parts of split tiles first, its whole tiles next and final parts last: an early part writes its
+// sums and goes on, and by the time a final part needs them they are long written, so that no block
+// waits on memory in the middle of its stream, and the last one's tail is one read of the parts
+// (run 110: bench/cuda/NOTES.md). The producer's ring runs on across units, so a unit's first copies
+// fly while the last one's epilogue runs. W and the signs of the first stages are issued before the
+// wait for the kernel before (launch.cuh); x and its bit-planes after it.
 // BN: rows of x per tile (8, 16 or 32, the wgmma's N; rows past `rows` are zero-filled by the TMA).
 // ND: delta rows computed per stage (nd rounded up; the padding repeats delta row 0 and is dropped), a
 // constant so that the delta loop has no branches and its rows' 1-bit mma overlap.
@@ -92,10 +96,19 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
   const int S = p.stages;
   float* red = reinterpret_cast<float*>(smem + S * p.stage_bytes);  // [BN][64]: a unit's sums
   const uint32_t full0 = smem_addr(red + kBM * BN), empty0 = full0 + 8 * S;
-  int& last_part = *reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(red + kBM * BN) + 16 * S);
   const int sgn_off = kWStage + kXStage, xq_off = sgn_off + p.nvar * kSignTile;
   const int tid = threadIdx.x, grid = int(gridDim.x);
-  // Unit u: rows n0.., blocks [kb0, kb0 + nst) of K.
+  // Unit u: rows n0.., blocks [kb0, kb0 + nst) of K. Its kind: an early part of a split tile (0), a
+  // whole tile (1), or the final part of a split tile (2), which adds the early ones (or the only part,
+  // when tiles are not split).
+  const auto kind_of = [&](int u) { return u < p.whole ? 1 : (u - p.whole) % p.ks < p.ks - 1 ? 0 : 2; };
+  // Calls f(u) for the block's units in order: early parts, whole tiles, final parts (so that no final
+  // part can wait on an early part that comes after it in some block); stops where f returns false.
+  const auto for_units = [&](auto&& f) {
+    for (int kind = 0; kind < 3; ++kind)
+      for (int u = int(blockIdx.x); u < p.units; u += grid)
+        if (kind_of(u) == kind && !f(u)) return;
+  };
   const auto unit_range = [&](int u, int& n0, int& kb0, int& nst) {
     if (u < p.whole) {
       n0 = u * kBM, kb0 = 0, nst = p.KB;
@@ -114,50 +127,48 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (tid == kConsumers) {
-    // Before the wait for the kernel before (launch.cuh): W's first S stages on their way to L2. x,
-    // its quantized rows and the scratch of split tiles come from or go to other kernels; W, the
-    // signs and α do not.
+  // The producer: per ring stage `it` (block kb of the tile at n0), W, x and the sign tiles, and x's
+  // bit-planes. W and the signs are weights: those of the first S stages are issued before the wait for
+  // the kernel before (launch.cuh), so that they stream into shared memory while it finishes; x and its
+  // bit-planes, written by kernels, after.
+  const auto issue_weights = [&](int it, int n0, int kb) {
+    const int slot = it % S, k0 = kb * kBK;
+    const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
+    mbar_expect_tx(full, p.tx_bytes);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) tma_2d(st + c * (kBM * 128), &p.w, k0 + 64 * c, n0, full);
+    for (int v = 0; v < p.nvar; ++v) tma_3d(st + sgn_off + v * kSignTile, &p.signs[v], 0, kb, n0 / 16, full);
+  };
+  const auto issue_activations = [&](int it, int kb) {
+    const int slot = it % S, k0 = kb * kBK;
+    const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) tma_2d(st + kWStage + c * (BN * 128), &p.x, k0 + 64 * c, 0, full);
+    if (p.nvar > 0) tma_1d(st + xq_off, p.xq + size_t(kb) * p.xq_block, uint32_t(p.xq_block), full);
+  };
+  // Calls f(it, n0, kb) for the block's ring stages it in [from, to).
+  const auto for_stages = [&](int from, int to, auto&& f) {
     int it = 0;
-    for (int u = int(blockIdx.x); u < p.units && it < S; u += grid) {
+    for_units([&](int u) {
       int n0, kb0, nst;
       unit_range(u, n0, kb0, nst);
-      for (int i = 0; i < nst && it < S; ++i, ++it)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) tma_prefetch_2d(&p.w, (kb0 + i) * kBK + 64 * c, n0);
-    }
-  }
+      for (int i = 0; i < nst && it < to; ++i, ++it)
+        if (it >= from) f(it, n0, kb0 + i);
+      return it < to;
+    });
+  };
+  if (tid == kConsumers) for_stages(0, S, issue_weights);
   pdl_wait();
 
   if (tid >= kConsumers) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     if (tid == kConsumers) {
-      // W, x and the sign tiles of ring stage `it` (block kb of the tile at n0), and its bit-planes.
-      const auto issue_main = [&](int it, int n0, int kb) {
-        const int slot = it % S, k0 = kb * kBK;
-        const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
-        mbar_expect_tx(full, p.tx_bytes);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) tma_2d(st + c * (kBM * 128), &p.w, k0 + 64 * c, n0, full);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) tma_2d(st + kWStage + c * (BN * 128), &p.x, k0 + 64 * c, 0, full);
-        for (int v = 0; v < p.nvar; ++v) tma_3d(st + sgn_off + v * kSignTile, &p.signs[v], 0, kb, n0 / 16, full);
-      };
-      const auto issue_xq = [&](int it, int kb) {
-        const int slot = it % S;
-        tma_1d(smem_addr(smem + slot * p.stage_bytes + xq_off), p.xq + size_t(kb) * p.xq_block,
-               uint32_t(p.xq_block), full0 + 8 * slot);
-      };
-      int it = 0;
-      for (int u = int(blockIdx.x); u < p.units; u += grid) {
-        int n0, kb0, nst;
-        unit_range(u, n0, kb0, nst);
-        for (int i = 0; i < nst; ++i, ++it) {
-          if (it >= S) mbar_wait(empty0 + 8 * (it % S), ((it / S) & 1) ^ 1);
-          issue_main(it, n0, kb0 + i);
-          if (p.nvar > 0) issue_xq(it, kb0 + i);
-        }
-      }
+      for_stages(0, S, [&](int it, int, int kb) { issue_activations(it, kb); });
+      for_stages(S, 1 << 30, [&](int it, int n0, int kb) {
+        mbar_wait(empty0 + 8 * (it % S), ((it / S) & 1) ^ 1);
+        issue_weights(it, n0, kb);
+        issue_activations(it, kb);
+      });
     }
     __syncwarp();
   } else {
@@ -177,13 +188,23 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     const auto consume = [&]<bool kBase>() {
       constexpr int D0 = kBase ? 0 : H, DN = kBase ? H : ND - H;  // its delta rows [D0, D0 + DN)
       int it = 0;
-      for (int u = int(blockIdx.x); u < p.units; u += grid) {
+      for_units([&](int u) {
         int n0, kb0, nst;
         unit_range(u, n0, kb0, nst);
         float acc[BN / 2];
         float dacc[DN > 0 ? DN : 1][2], sq[DN > 0 ? DN : 1];
 #pragma unroll
         for (int d = 0; d < (DN > 0 ? DN : 1); ++d) dacc[d][0] = dacc[d][1] = sq[d] = 0.0f;
+        // The unit's α (tile rows 16·wq + g + 8h), loaded now so that the stages hide the load's latency
+        // rather than the epilogue waiting on it.
+        float al[DN > 0 ? DN : 1][2];
+#pragma unroll
+        for (int d = 0; d < DN; ++d)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int n = min(n0 + 16 * wq + g + 8 * h, p.N - 1), dd = D0 + d;
+            al[d][h] = dd < p.nd ? __ldg(p.alpha[dd] + (p.alpha_per_row[dd] ? n : 0)) : 0.0f;
+          }
         // Stage: W·xᵀ on wgmma (16 steps of k16), the delta rows' 1-bit mma from the same stage while
         // they run, then the slot goes back to the producer.
         const auto stage = [&]<bool First>() {
@@ -244,33 +265,39 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
             float v = dacc[d][h];
             v += __shfl_xor_sync(0xffffffffu, v, 1);
             v += __shfl_xor_sync(0xffffffffu, v, 2);
-            const int nl = 16 * wq + g + 8 * h, n = min(n0 + nl, p.N - 1), dd = D0 + d;
-            if (t == 0 && dd < p.nd)
-              red[p.drow[dd] * kBM + nl] += __ldg(p.alpha[dd] + (p.alpha_per_row[dd] ? n : 0)) * (2.0f * v - sq[d]);
+            const int nl = 16 * wq + g + 8 * h, dd = D0 + d;
+            if (t == 0 && dd < p.nd) red[p.drow[dd] * kBM + nl] += al[d][h] * (2.0f * v - sq[d]);
           }
         consumers_sync<kConsumers>();
-        const int valid = min(kBM, p.N - n0);
-        if (u < p.whole || p.ks == 1) {
+        const int valid = min(kBM, p.N - n0), kind = kind_of(u);
+        if (kind == 1 || p.ks == 1) {
           for (int e = tid; e < p.rows * kBM; e += kConsumers)
             if ((e & (kBM - 1)) < valid) p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = red[e];
         } else {
-          // Parts of a tile meet through memory: each writes its sums; the last to arrive adds all of
-          // them in part order (the same result on every run) and resets the tile's counter.
-          const int split = (u - p.whole) / p.ks;
-          float* mine = p.parts + (size_t(split) * p.ks + (u - p.whole) % p.ks) * (BN * kBM);
-          for (int e = tid; e < p.rows * kBM; e += kConsumers) mine[e] = red[e];
-          if (last_to_arrive(p.arrived + split, unsigned(p.ks), last_part, [] { consumers_sync<kConsumers>(); })) {
-            const float* all = p.parts + size_t(split) * p.ks * (BN * kBM);
+          // Parts of a split tile meet through memory (stream_scratch.cuh): each early part writes its
+          // sums and goes on; the final part waits for them and adds all in part order (the same result
+          // on every run).
+          const int split = (u - p.whole) / p.ks, early = p.ks - 1;
+          float* parts = p.parts + size_t(split) * early * (BN * kBM);
+          if (kind == 0) {
+            float* mine = parts + size_t((u - p.whole) % p.ks) * (BN * kBM);
+            for (int e = tid; e < p.rows * kBM; e += kConsumers) mine[e] = red[e];
+            consumers_sync<kConsumers>();
+            if (tid == 0) part_written(p.arrived + split);
+          } else {
+            if (tid == 0) wait_parts(p.arrived + split, unsigned(early));
+            consumers_sync<kConsumers>();
             for (int e = tid; e < p.rows * kBM; e += kConsumers) {
               if ((e & (kBM - 1)) >= valid) continue;
               float v = 0.0f;
-              for (int q = 0; q < p.ks; ++q) v += __ldcg(all + size_t(q) * (BN * kBM) + e);
-              p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = v;
+              for (int q = 0; q < early; ++q) v += __ldcg(parts + size_t(q) * (BN * kBM) + e);
+              p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = v + red[e];
             }
           }
         }
         consumers_sync<kConsumers>();  // red is free for the next unit
-      }
+        return true;
+      });
     };
     if (wg == 0)
       consume.template operator()<true>();
@@ -439,7 +466,7 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   if (p.ks > 1) {  // the split tiles' parts, and their counters (zero between launches)
     const size_t split_tiles = size_t(tiles - p.whole);
     p.parts = static_cast<float*>(
-        stream_scratch(ScratchUse::kStreamParts, stream, split_tiles * p.ks * BN * kBM * sizeof(float)));
+        stream_scratch(ScratchUse::kStreamParts, stream, split_tiles * (p.ks - 1) * BN * kBM * sizeof(float)));
     p.arrived = static_cast<unsigned*>(
         stream_scratch(ScratchUse::kStreamCounters, stream, split_tiles * sizeof(unsigned), true));
   }
