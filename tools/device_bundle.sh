@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # Here (the CPU machine, nvcc present): builds the CUDA-enabled binaries in build-cuda/ and bundles
 # them, with the Debian libraries the GPU machine lacks, into .device/ (git-ignored) for
-# tools/gpu_run.sh to run there (pass `.device` in the device tool's carry). The CPU tests and the
-# CPU linear benchmark go too: the GPU host's Xeon has AVX-512 and AVX512-BF16, which this machine
-# lacks.
+# tools/gpu_run.sh to run there (pass `.device` in the device tool's carry). With
+# BITDELTA_BUNDLE_EXTRA=1 the CPU tests, the CPU linear benchmark (the GPU host's Xeon has AVX-512 and
+# AVX512-BF16, which this machine lacks) and the mma-rate benchmarks go too. A device run carries at
+# most 64 MiB with the tracked files, which the binaries alone (37 MB) would nearly fill: so they also
+# go xz-compressed into .device/bundle.tar.xz (about 4 MB), and a run carries only that file
+# (carry [".device/bundle.tar.xz"]); gpu_run.sh unpacks it there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BITDELTA_CUDA_BUILD:-build-cuda}
 if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBITDELTA_CUDA=ON -DCMAKE_CUDA_FLAGS="--threads=0"
 fi
-targets=(bitdelta bitdelta_tests bench_linear bitdelta_gpu_tests bench_gpu_e2e bench_gpu_attention make_synthetic test_cuda_fused_linear
-         bench_cuda_fused_linear bench_mma_rates bench_b1_delta)
+targets=(bitdelta bitdelta_gpu_tests bench_gpu_e2e bench_gpu_attention make_synthetic test_cuda_fused_linear
+         bench_cuda_fused_linear)
+if [ "${BITDELTA_BUNDLE_EXTRA:-0}" = 1 ]; then targets+=(bitdelta_tests bench_linear bench_mma_rates bench_b1_delta); fi
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 rm -rf .device/bin .device/lib
 mkdir -p .device/bin .device/lib
@@ -26,4 +30,8 @@ for l in libcpp-httplib.so.0.11 libsentencepiece.so.0 libxxhash.so.0 libbrotlico
          libbrotlienc.so.1 libbenchmark.so.1debian; do
   cp -L "/lib/x86_64-linux-gnu/$l" .device/lib/
 done
-du -sh .device
+tar -C .device -cf - bin lib | xz -T0 -6 >.device/bundle.tar.xz
+tracked=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+bundle=$(du -b .device/bundle.tar.xz | cut -f1)
+echo ".device/bin + lib: $(du -sh .device/bin .device/lib | cut -f1 | tr '\n' ' '); .device/bundle.tar.xz: $((bundle >> 10)) KiB;" \
+  "a run carrying it and the tracked files ($((tracked >> 20)) MiB) has $((((64 << 20) - tracked - bundle) >> 20)) MiB to spare"

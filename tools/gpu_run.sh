@@ -2,10 +2,10 @@
 # On the GPU machine: runs the gpu-labelled tests, a server smoke test on the device and the
 # benchmarks, writing logs and results under OUT_DIR.  Usage: tools/gpu_run.sh OUT_DIR
 #
-# Binaries: .device/bin (made here by tools/device_bundle.sh, carried to the GPU machine with the
-# Debian libraries it lacks in .device/lib), since that machine has no package registry for our
-# -dev packages. Without .device/, the CUDA kernels alone are built there from source
-# (-DBITDELTA_CUDA_ONLY=ON) and only their test and benchmark run.
+# Binaries: .device/bin (made by tools/device_bundle.sh on the CPU machine, with the Debian libraries
+# the GPU machine lacks in .device/lib, and carried as .device/bundle.tar.xz, unpacked here), since
+# that machine has no package registry for our -dev packages. Without them, the CUDA kernels alone are
+# built there from source (-DBITDELTA_CUDA_ONLY=ON) and only their test and benchmark run.
 #
 # BITDELTA_STAGES (default "tests serve e2e"): any of
 #   tests    bitdelta_gpu_tests (ops, model vs fixtures and CPU, engine tiers, CLI) + test_cuda_fused_linear
@@ -31,6 +31,9 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 cat "$out/machine.txt"
 status=0
 
+if [ -f .device/bundle.tar.xz ]; then  # (always: a machine kept warm may hold an older .device/bin)
+  tar -C .device -xJf .device/bundle.tar.xz || { echo "gpu_run.sh: cannot unpack .device/bundle.tar.xz"; exit 1; }
+fi
 if [ ! -x .device/bin/bitdelta ]; then
   echo "no .device/bin: building the CUDA kernels alone"
   build=build-gpu
