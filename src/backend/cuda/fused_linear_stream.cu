@@ -450,7 +450,7 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   p.xq_block = quantized_x_block(a.rows);
   p.tx_bytes = kWStage + 4 * BN * 128 + p.nvar * kSignTile + (p.nvar ? p.xq_block : 0);
   p.stage_bytes = (p.tx_bytes + 1023) / 1024 * 1024;
-  const int fixed = 1024 + kBM * BN * 4 + 16 * kMaxStages + 16;
+  const int fixed = 1024 + kBM * BN * 4 + 16 * kMaxStages;  // alignment, red, the barriers
   p.stages = std::min(kMaxStages, (info.smem_optin - fixed) / p.stage_bytes);
   if (a.stages > 0) p.stages = std::min(p.stages, a.stages);
   if (p.stages < 1) fail("cuda::fused_linear_stream: a stage of ", p.stage_bytes, " bytes does not fit");
@@ -470,7 +470,7 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
     p.arrived = static_cast<unsigned*>(
         stream_scratch(ScratchUse::kStreamCounters, stream, split_tiles * sizeof(unsigned), true));
   }
-  const int smem = 1024 + p.stages * p.stage_bytes + kBM * BN * 4 + 16 * p.stages + 16;
+  const int smem = 1024 + p.stages * p.stage_bytes + kBM * BN * 4 + 16 * p.stages;
 
   launch_chained(kKernels[BN == 8 ? 0 : BN == 16 ? 1 : 2][nd_index(p.nd)], dim3(unsigned(std::min(p.units, info.sms))),
                  dim3(kThreads), size_t(smem), stream, p);

@@ -1,11 +1,13 @@
 // Programmatic dependent launch (sm_90+) along the decode step. Every kernel that the model runs on
 // its stream, except cuBLAS's and the prefill path's own (the fused GEMM, the W_eff expansion), is
-// launched with launch_chained, so that it may start while the kernel before it still runs. The rule that keeps this correct: each such kernel
-// calls pdl_launch_dependents() first (the next kernel may then start too) and pdl_wait() before any
-// access to memory that a kernel writes. Only reads of weights and deltas (written before any step,
-// with the stream synchronized) may come before the wait; the linear kernels use that time to bring
-// their first blocks of W into L2. A kernel past its wait knows that every earlier kernel on the
-// stream has finished: its predecessor has, and that one passed its own wait before finishing.
+// launched with launch_chained, so that it may start while the kernel before it still runs. The rule
+// that keeps this correct: each such kernel calls pdl_launch_dependents() first (the next kernel may
+// then start too) and pdl_wait() before any access to memory that a kernel writes. Only reads of
+// weights and deltas (written before any step, with the stream synchronized) may come before the
+// wait; the linear kernels use that time to start on W (the register kernel sends its first block to
+// L2, the streaming kernel copies its first stages of W and the signs into shared memory). A kernel
+// past its wait knows that every earlier kernel on the stream has finished: its predecessor has, and
+// that one passed its own wait before finishing.
 // A kernel launched the ordinary way (cuBLAS) never signals early, so the next one starts after it.
 #pragma once
 
