@@ -75,7 +75,10 @@ double check_close(const std::vector<float>& gpu, const std::vector<float>& cpu,
 }
 
 TEST_F(GpuOps, EmbeddingGatherAndRmsnormWithResidualAdd) {
-  const int rows = 5, hidden = 4096 + 64, vocab = 50, layers = 2;
+  // 4160: 8 elements per thread; 11013: 16 (the form for hidden over 8192).
+  for (const int hidden : {4096 + 64, 11008 + 5}) {
+  SCOPED_TRACE(testing::Message() << "hidden " << hidden);
+  const int rows = 5, vocab = 50, layers = 2;
   // Two variants: their own embedding tables and norms.
   const auto e0 = randn(size_t(vocab) * hidden, 1), e1 = randn(size_t(vocab) * hidden, 2);
   const auto n0 = randn(size_t(2 * layers + 1) * hidden, 3), n1 = randn(size_t(2 * layers + 1) * hidden, 4);
@@ -113,6 +116,7 @@ TEST_F(GpuOps, EmbeddingGatherAndRmsnormWithResidualAdd) {
   // another order (~1e-6).
   check_close(x.get(), want_x, 1e-6, "embedding + residual");
   check_close(to_f32(out.get()), want_out, 4.5e-3, "rmsnorm (bf16 out)");
+  }
 }
 
 // Rows of five sequences: four decode rows (positions 0, 1, 36 and 299) and a prefill run of 11
