@@ -1,6 +1,7 @@
 // Benchmark of the CUDA fused BitDelta linear against cuBLAS and the byte roofline (issue 6, part
 // 1). Cases per shape N×K (bf16 weights):
-//   (a) 1 row, 1 variant: fused decode kernel vs cuBLAS base-only GEMV (cublasGemmEx, n = 1)
+//   (a) 1 row, 1 variant: fused decode kernel vs cuBLAS base-only GEMV (cublasGemmEx, n = 1), also
+//   timed alternating with it
 //   (b) 16 rows from 16 distinct variants vs the byte roofline (2NK + 16·NK/8 bytes ÷ copy
 //   bandwidth) (c) 512 rows, 1 variant: prefill methods vs cuBLAS base-only GEMM
 // Modes: (none) all cases at the five shapes; --prefill [N K ...] case (c) only, at those shapes or
@@ -162,6 +163,18 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
            "registers ks=" + std::to_string(ks ? ks : bcuda::decode_default_k_split(N, 1)) +
                (ks ? "" : " (default)"),
            t, bytes, t_cublas, "x cuBLAS"});
+    }
+    {  // The same, timed call by call alternating with cuBLAS (as case c is): the clocks' drift over the
+       // run (cuBLAS's GEMV alone took 14.7–21.4 µs at 4096² in runs 113–129) falls on both alike.
+      const auto [tc, t] = time_pair_us(
+          [&](int s) { cublas_rows(1, s); },
+          [&](int s) {
+            const DeltaRef d = delta(s, 0);
+            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {0, 0, kRegisters});
+          },
+          reps);
+      add({shape, "a: 1 row base", "cuBLAS, alternating", tc, double(wbytes), 0, ""});
+      add({shape, "a: 1 row 1 variant", "registers, alternating", t, bytes, tc, "x cuBLAS alt."});
     }
     {  // x quantized before the call (as a kernel producing x could leave it): the linear alone, and
        // the quantizing launch alone
