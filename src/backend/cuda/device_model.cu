@@ -483,7 +483,8 @@ DeviceModel::DeviceModel(const ModelConfig& config, const VariantWeights& base, 
   m.name = prop.name;
   if (config.head_dim > 256 || config.head_dim % 8)
     fail("--device cuda: head_dim ", config.head_dim, " unsupported (a multiple of 8, at most 256)");
-  if (config.hidden > 16384) fail("--device cuda: hidden ", config.hidden, " unsupported (at most 16384)");
+  if (config.hidden > kMaxHidden)
+    fail("--device cuda: hidden ", config.hidden, " unsupported (at most ", kMaxHidden, ")");
   // Freed stream-ordered memory stays in the pool: steps and loads re-allocate without the driver.
   cudaMemPool_t pool;
   BITDELTA_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, options.device));

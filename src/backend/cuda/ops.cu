@@ -625,18 +625,18 @@ void embed_rows(const RowDesc* rows, int n_rows, int hidden, float* x, cudaStrea
 void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row_map, int n_out, int hidden,
                  int norm_offset, int bias_offset, float eps, __nv_bfloat16* out, cudaStream_t stream) {
   if (n_out == 0) return;
-  // 8 elements per thread up to 8192 (1024 threads), then 16 (hidden ≤ 16384). (The form with 32
+  // 8 elements per thread up to 8192 (1024 threads), then 16 (up to kMaxHidden). (The form with 32
   // per thread, up to 32768, took 88 registers, more than the 64 that a thread of 1024 may have: any
   // hidden over 8192 failed to launch. No test had one; tests/gpu now does.)
   const int threads = std::max(64, std::min(1024, (hidden + 8 * 32 - 1) / (8 * 32) * 32));
   if (hidden <= 8 * threads)
     launch_chained(add_rmsnorm_kernel<8>, dim3(unsigned(n_out)), dim3(unsigned(threads)), 0, stream, x, add, rows, row_map,
                    hidden, norm_offset, bias_offset, eps, out);
-  else if (hidden <= 16 * 1024)
+  else if (hidden <= kMaxHidden)
     launch_chained(add_rmsnorm_kernel<16>, dim3(unsigned(n_out)), dim3(1024), 0, stream, x, add, rows, row_map, hidden,
                    norm_offset, bias_offset, eps, out);
   else
-    fail("cuda::add_rmsnorm: hidden ", hidden, " (at most 16384)");
+    fail("cuda::add_rmsnorm: hidden ", hidden, " (at most ", kMaxHidden, ")");
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 

@@ -39,7 +39,8 @@ void embed_rows(const RowDesc* rows, int n_rows, int hidden, float* x, cudaStrea
 // For out row i, source row s = row_map ? row_map[i] : i: if add, x[s] += add[s] (and the row's
 // bias at bias_offset, if ≥ 0 and the row has biases); then
 // out[i] = bf16(rmsnorm(x[s]) ⊙ rows[s].norms[norm_offset ..]). float32 sum of squares (in a
-// different order than the CPU's sequential one). hidden ≤ 16384.
+// different order than the CPU's sequential one). hidden ≤ kMaxHidden.
+constexpr int kMaxHidden = 16384;
 void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row_map, int n_out, int hidden,
                  int norm_offset, int bias_offset, float eps, __nv_bfloat16* out, cudaStream_t stream);
 
