@@ -168,6 +168,13 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect("decode ks=" + std::to_string(ks) + "      " + tag, dy.to_host(), ref, 5e-5);
     }
+    // One row: the balanced grid (the default there; other row counts take the register kernel).
+    if (rows == 1) {
+      poison(dy.ptr, dy.n);
+      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {0, 0, bcuda::DecodeKernel::kBalanced});
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      expect("decode balanced  " + tag, dy.to_host(), ref, 5e-5);
+    }
     // The streaming kernel (sm_90a; where it does not run, or K is not a multiple of 8, the same calls
     // take the register kernel): every cluster split, and a two-stage ring.
     using DK = bcuda::DecodeKernel;
@@ -182,13 +189,14 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
     {  // x quantized before the call (DecodeOptions::xq), both kernels
       DeviceBuffer<uint8_t> dq(bcuda::quantized_x_bytes(rows, K));
       bcuda::quantize_x(xb, rows, K, dq.ptr, nullptr);
-      for (DK kernel : {DK::kRegisters, DK::kStream}) {
+      for (DK kernel : {DK::kRegisters, DK::kStream, DK::kBalanced}) {
         bcuda::DecodeOptions o{0, 0, kernel};
         o.xq = dq.ptr;
         poison(dy.ptr, dy.n);
         bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
         BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
-        expect(std::string(kernel == DK::kStream ? "stream" : "decode") + " x before  " + tag, dy.to_host(), ref, 5e-5);
+        const char* name = kernel == DK::kStream ? "stream" : kernel == DK::kBalanced ? "balanced" : "decode";
+        expect(std::string(name) + " x before  " + tag, dy.to_host(), ref, 5e-5);
       }
     }
     poison(dy.ptr, dy.n);
@@ -210,8 +218,8 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
     bitdelta::cpu::fused_linear_reference(wv, x2f, rows, host_refs, nullptr, ref2);
     DeviceBuffer<uint16_t> dx2(x2);
     DeviceBuffer<float> dy2(dy.n);
-    for (DK kernel : {DK::kRegisters, DK::kStream}) {
-      const std::string name = kernel == DK::kStream ? "stream" : "decode";
+    for (DK kernel : {DK::kRegisters, DK::kStream, DK::kBalanced}) {
+      const std::string name = kernel == DK::kStream ? "stream" : kernel == DK::kBalanced ? "balanced" : "decode";
       poison(dy.ptr, dy.n);
       poison(dy2.ptr, dy2.n);
       bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {0, 0, kernel});
@@ -318,6 +326,15 @@ int main() {
       check_case(rng, 8645, 2048, rows16, 7, true);
       check_case(rng, 8645, 2048, {1, 0, 1}, 2, false);
     }
+    // One row on more 16-row tiles than an H200 runs blocks at once (2 × 132): the balanced grid
+    // cuts tiles between blocks (aligned K; K not a multiple of 64; about one tile per block).
+    for (bool per_row : {true, false}) {
+      check_case(rng, 8645, 2048, {0}, 1, per_row);
+      check_case(rng, 5000, 1001, {0}, 1, per_row);
+    }
+    check_case(rng, 8645, 2048, {-1}, 1, true);
+    check_case(rng, 4500, 4096, {0}, 1, true);
+    check_case(rng, 8200, 300, {0}, 1, false);  // 513 tiles: whole tiles per block (1 or 2)
     // 17..32 rows: the streaming kernel in one launch (wgmma n32), the register kernel in two.
     {
       std::vector<int> rows32(32), rows24(24);

@@ -93,11 +93,12 @@ void add(Row r) {
 
 // profile_only: cases (a) and (b) only, few reps (for ncu); prefill_only: case (c) only (with
 // profile_only too: cuBLAS and the fused GEMM, few reps).
-constexpr auto kRegisters = bcuda::DecodeKernel::kRegisters, kStream = bcuda::DecodeKernel::kStream;
+constexpr auto kRegisters = bcuda::DecodeKernel::kRegisters, kStream = bcuda::DecodeKernel::kStream,
+               kBalanced = bcuda::DecodeKernel::kBalanced;
 
 void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
                  bool profile_only = false, bool prefill_only = false, int prefill_rows = 512,
-                 bool few_rows_only = false) {
+                 bool few_rows_only = false, bool one_row_only = false) {
   // Signs: random bits in the packed device layout (for random bits the layout changes nothing).
   const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
   const int nsets = int(std::max<size_t>(2, (240u << 20) / wbytes + 1));  // > 4× L2 per rotation
@@ -152,6 +153,15 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       add({shape, "a: floor", "one launch reading W, signs", fd.us, double(wbytes + sbytes), t_cublas, "x cuBLAS"});
     }
     const double bytes = double(wbytes + sbytes) + N * 4.0;
+    {  // The engine's choice for one row: the register kernel on the balanced grid.
+      const double t = time_us(
+          [&](int s) {
+            const DeltaRef d = delta(s, 0);
+            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {0, 0, kBalanced});
+          },
+          reps);
+      add({shape, "a: 1 row 1 variant", "balanced grid (default)", t, bytes, t_cublas, "x cuBLAS"});
+    }
     for (int ks : {0, 2, 4, 8}) {
       const double t = time_us(
           [&](int s) {
@@ -161,27 +171,30 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           reps);
       add({shape, "a: 1 row 1 variant",
            "registers ks=" + std::to_string(ks ? ks : bcuda::decode_default_k_split(N, 1)) +
-               (ks ? "" : " (default)"),
+               (ks ? "" : " (its rule)"),
            t, bytes, t_cublas, "x cuBLAS"});
     }
     {  // The same, timed call by call alternating with cuBLAS (as case c is): the clocks' drift over the
        // run (cuBLAS's GEMV alone took 14.7–21.4 µs at 4096² in runs 113–129) falls on both alike.
-      const auto [tc, t] = time_pair_us(
-          [&](int s) { cublas_rows(1, s); },
-          [&](int s) {
-            const DeltaRef d = delta(s, 0);
-            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {0, 0, kRegisters});
-          },
-          reps);
-      add({shape, "a: 1 row base", "cuBLAS, alternating", tc, double(wbytes), 0, ""});
-      add({shape, "a: 1 row 1 variant", "registers, alternating", t, bytes, tc, "x cuBLAS alt."});
+      for (auto kernel : {kBalanced, kRegisters}) {
+        const auto [tc, t] = time_pair_us(
+            [&](int s) { cublas_rows(1, s); },
+            [&](int s) {
+              const DeltaRef d = delta(s, 0);
+              bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {0, 0, kernel});
+            },
+            reps);
+        add({shape, "a: 1 row base", "cuBLAS, alternating", tc, double(wbytes), 0, ""});
+        add({shape, "a: 1 row 1 variant", kernel == kBalanced ? "balanced, alternating" : "registers, alternating", t,
+             bytes, tc, "x cuBLAS alt."});
+      }
     }
     {  // x quantized before the call (as a kernel producing x could leave it): the linear alone, and
        // the quantizing launch alone
       DeviceMem xq(bcuda::quantized_x_bytes(1, K));
       auto* q = static_cast<uint8_t*>(xq.ptr);
       bcuda::quantize_x(X, 1, K, q, nullptr);
-      bcuda::DecodeOptions o{0, 0, kRegisters};
+      bcuda::DecodeOptions o{0, 0, kBalanced};
       o.xq = q;
       const double t = time_us(
           [&](int s) {
@@ -189,15 +202,18 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
             bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, o);
           },
           reps);
-      add({shape, "a: 1 row 1 variant", "registers, x quantized before", t, bytes, t_cublas, "x cuBLAS"});
+      add({shape, "a: 1 row 1 variant", "balanced, x quantized before", t, bytes, t_cublas, "x cuBLAS"});
       // 20 calls back to back, each free to start during the last (as a step's kernels are).
-      const double tc = time_chain_us(
-          [&](int s) {
-            const DeltaRef d = delta(s, 0);
-            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {0, 0, kRegisters});
-          },
-          20);
-      add({shape, "a: 1 row 1 variant", "chain of 20 calls", tc, bytes, t_cublas, "x cuBLAS"});
+      for (auto kernel : {kBalanced, kRegisters}) {
+        const double tc = time_chain_us(
+            [&](int s) {
+              const DeltaRef d = delta(s, 0);
+              bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {0, 0, kernel});
+            },
+            20);
+        add({shape, "a: 1 row 1 variant", kernel == kBalanced ? "balanced, chain of 20" : "registers, chain of 20", tc,
+             bytes, t_cublas, "x cuBLAS"});
+      }
       const double tcb = time_chain_us([&](int s) { cublas_rows(1, s); }, 20);
       add({shape, "a: 1 row base", "cuBLAS, chain of 20 calls", tcb, double(wbytes), t_cublas, "x cuBLAS"});
       const double tq = time_us([&](int) { bcuda::quantize_x(X, 1, K, q, nullptr); }, reps);
@@ -215,15 +231,19 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
              bytes, t_cublas, "x cuBLAS"});
       }
     const DeltaRef none{};
-    for (auto kernel : {kRegisters, kStream}) {
+    for (auto kernel : {kBalanced, kRegisters, kStream}) {
       if (kernel == kStream && !stream_runs) continue;
       const double t_base = time_us(
           [&](int s) { bcuda::fused_linear_decode(W(s), N, K, X, 1, {&none, 1}, Y, nullptr, {0, 0, kernel}); },
           reps);
-      add({shape, "a: 1 row base", kernel == kStream ? "stream kernel, no delta" : "registers kernel, no delta",
+      add({shape, "a: 1 row base",
+           kernel == kStream      ? "stream kernel, no delta"
+           : kernel == kBalanced ? "balanced grid, no delta"
+                                 : "registers kernel, no delta",
            t_base, double(wbytes), t_cublas, "x cuBLAS"});
     }
   }
+  if (one_row_only) return;
   // (b) 16 rows from 16 distinct variants.
   if (!prefill_only) {
     const double bytes = double(wbytes) + kVariants * (double(sbytes) + N * 4.0);
@@ -553,6 +573,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "--quick") shapes.resize(1);
+    if (mode == "--one-row" && argc > 3) {  // --one-row [N K ...]: case (a) only (all five shapes without)
+      shapes.clear();
+      for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
+    }
     if (mode == "--prefill" && argc > 3) {  // --prefill N K [N K ...]: case (c) at these shapes instead
       shapes.clear();
       for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
@@ -562,7 +586,8 @@ int main(int argc, char** argv) {
       for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
     }
     for (auto [N, K] : shapes)
-      bench_shape(rnd, prefill, N, K, false, mode == "--prefill" || mode == "--few-rows", 512, mode == "--few-rows");
+      bench_shape(rnd, prefill, N, K, false, mode == "--prefill" || mode == "--few-rows", 512, mode == "--few-rows",
+                  mode == "--one-row");
     std::printf(
         "\ncolumns: time = median µs; MB = bytes the op must move; GB/s = MB/time; roof/t = (bytes "
         "/ copy "

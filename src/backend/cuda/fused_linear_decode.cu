@@ -394,6 +394,244 @@ void launch_slots(DecodeParams& p, bool grouped, cudaStream_t stream) {
   }
 }
 
+// One row of x (decode at batch 1): the base and at most one variant, on a grid that gives every
+// block the same bytes. A unit is one 16-row tile × one 256-column block of W (and of the signs).
+// Two blocks per multiprocessor take contiguous ranges of the tiles·KB units in tile order: whole
+// tiles per block where that loads the busiest multiprocessor at most 5% above the average, else
+// equal ranges of units (a tile cut between two blocks). The 8 warps of a block take the range's
+// units in turn, two at a time. Each warp sums its units per tile; the warps' sums meet in shared
+// memory. A range holds at least KB units, so a tile is cut between at most two blocks: the first
+// of them does its units of that tile first and writes its warps' sums to memory (an early part);
+// the second does its own units of the tile last and adds those parts after its own, in warp order
+// (the same result on every run), usually long after they were written. A block so waits only on
+// the block before it, which the GPU started no later (also while the previous kernel of a
+// programmatic-dependent chain still holds multiprocessors).
+// The register kernel's own grid (whole tiles per block, k_split warps per tile) leaves some
+// multiprocessors with one block where others have two, or a partial second wave: at 11008 × 4096,
+// 172 blocks for 132 multiprocessors; at 28672 × 8192, 448 (NOTES.md, part 14).
+struct RowParams {
+  const __nv_bfloat16* w;
+  const __nv_bfloat16* x;
+  const uint8_t* xq;  // one quantized row (quantized_x_block(1) bytes per 256-column block)
+  float* y;
+  const uint4* signs;  // packed (packed_signs.h); null: the base alone
+  const float* alpha;
+  int alpha_per_row;
+  int N, K, KB, aligned;
+  int units, blocks;
+  int whole;          // ranges of whole tiles (no tile cut)
+  float* parts;       // per tile cut between blocks: kWarps warps × 16 rows
+  unsigned* arrived;  // per tile: the early parts counted (stream_scratch.cuh), back at zero after
+};
+
+template <bool kDelta>
+__global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowParams p) {
+  pdl_launch_dependents();  // launch.cuh: the next kernel may start; this one waits below
+  constexpr int kU = 2;     // 64-column steps of W per load batch, as the register kernel
+  extern __shared__ float ysum[];  // [tile of the range][warp][16 rows]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane >> 2, t = lane & 3;
+  const int KB = p.KB, K = p.K, N = p.N;
+  const int per = p.whole ? KB : 1, items = p.units / per;  // ranges of whole tiles, or of units
+  const int u0 = int(int64_t(items) * blockIdx.x / p.blocks) * per;
+  const int u1 = int(int64_t(items) * (blockIdx.x + 1) / p.blocks) * per;
+  const int T0 = u0 / KB, T1 = (u1 - 1) / KB, ntiles = T1 - T0 + 1;
+  const bool head_cut = u0 % KB != 0, tail_cut = u1 % KB != 0;
+  // The order of the range: the tail tile's units (an early part, when the next block finishes that
+  // tile), the whole tiles, the head tile's units (finished here, when the block before has its
+  // first units). So a block waits only on the block before it, which started no later.
+  const int tail_len = tail_cut ? u1 - T1 * KB : 0, head_len = head_cut ? (T0 + 1) * KB - u0 : 0;
+  const int mid0 = u0 + head_len, mid_len = u1 - tail_len - mid0;
+  const auto unit_at = [&](int q) {
+    return q < tail_len ? u1 - tail_len + q : q - tail_len < mid_len ? mid0 + q - tail_len : u0 + q - tail_len - mid_len;
+  };
+  const int L = u1 - u0;
+  // Each warp zeroes its own sums (a tile with fewer than 8 units in the range leaves some unset).
+  for (int s = 0; s < ntiles; ++s)
+    if (lane < 16) ysum[(s * kWarps + warp) * 16 + lane] = 0.0f;
+  __syncwarp();
+  const int ci = (t & 1) + 4 * (t >> 1);  // this thread's 8-column chunks: ci and ci + 2 of each 64
+  const bool aligned = p.aligned;
+  int pw[4];
+  plane_weights(t, pw);
+  const __nv_bfloat16* const xrow[1] = {p.x};
+  // Warp j's positions q in that order: in each round of 8·c, the c from j·c on. c = 2 (run 134:
+  // 1, 4 and 8 were slower).
+  constexpr int c = 2;
+  int q = warp * c, i = 0;
+  float acc[1][4] = {}, dacc[2] = {}, sq = 0.0f, al[2] = {};
+  const __nv_bfloat16 *wA = p.w, *wB = p.w;
+  const uint4* sg = p.signs;
+  const auto start_tile = [&](int tile) {
+    wA = p.w + size_t(min(tile * 16 + gid, N - 1)) * K;
+    wB = p.w + size_t(min(tile * 16 + gid + 8, N - 1)) * K;
+    if (kDelta) {
+      sg = p.signs + size_t(tile) * KB * 32 + lane;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) al[h] = __ldg(p.alpha + (p.alpha_per_row ? min(tile * 16 + gid + 8 * h, N - 1) : 0));
+    }
+  };
+  // Before the wait (weights and deltas only: launch.cuh): the first tile's rows, sign blocks and α,
+  // and the first unit of W on its way to L2.
+  int cur = -1, T = 0, kb = 0;
+  if (q < L) {
+    const int u = unit_at(q);
+    T = u / KB, kb = u - T * KB;
+    start_tile(cur = T);
+    const int k = kb * kDBlock + t * (kDBlock / 4);
+    if (k < K) prefetch_l2(wA + k), prefetch_l2(wB + k);
+  }
+  pdl_wait();
+  // An early part is counted (release: its writes before the count) once the warp's next loads of
+  // W are on their way: a release waits for the part's writes to land, and there the warp would
+  // wait for its loads anyway. A warp with no unit in the tail tile still counts as one of its 8
+  // parts.
+  bool pending = false;
+  const auto release_part = [&]() {
+    __syncwarp();
+    if (lane == 0) part_written(p.arrived + T1);
+    pending = false;
+  };
+  if (tail_cut && !(q < L && T == T1)) {
+    if (lane < 16) p.parts[(size_t(T1) * kWarps + warp) * 16 + lane] = 0.0f;
+    pending = true;
+  }
+  const uint4* planes = reinterpret_cast<const uint4*>(p.xq + kQuantizedPlanes);
+  const float2* scales = reinterpret_cast<const float2*>(p.xq);
+  const int xq16 = quantized_x_block(1) >> 4, xq8 = quantized_x_block(1) >> 3;
+  // The warp's sums for `tile`: rows gid and gid + 8 of it in the lanes with t = 0.
+  const auto finish = [&](int tile) {
+    float v[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      v[h] = acc[0][2 * h];
+      if (kDelta) {
+        float d = dacc[h];
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        v[h] += al[h] * (2.0f * d - sq);
+      }
+    }
+    if (tile == T1 && tail_cut) {  // an early part of a tile that the next block finishes
+      float* part = p.parts + (size_t(tile) * kWarps + warp) * 16;
+      if (t == 0) part[gid] = v[0], part[gid + 8] = v[1];
+      pending = true;
+    } else if (t == 0) {
+      float* s = ysum + ((tile - T0) * kWarps + warp) * 16;
+      s[gid] = v[0], s[gid + 8] = v[1];
+    }
+#pragma unroll
+    for (int h = 0; h < 4; ++h) acc[0][h] = 0.0f;
+    dacc[0] = dacc[1] = sq = 0.0f;
+  };
+  // The head tile's early parts from the block before, one per warp there, each added by the warp
+  // of the same index here (pv: row `lane`); read during the warp's last unit if that is in the
+  // head tile (while its loads of W are in flight), else after its loop.
+  float pv = 0.0f;
+  bool fetched = false;
+  const auto fetch_part = [&]() {
+    if (lane == 0) {
+      unsigned count = 0;
+      do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(count) : "l"(p.arrived + T0) : "memory");
+      while (count < unsigned(kWarps));
+    }
+    __syncwarp();
+    if (lane < 16) pv = __ldcg(p.parts + (size_t(T0) * kWarps + warp) * 16 + lane);
+    fetched = true;
+  };
+  while (q < L) {
+    const int adv = i + 1 == c ? kWarps * c - c + 1 : 1;
+    if (T != cur) {
+      finish(cur);
+      start_tile(cur = T);
+    }
+    // As the register kernel's combined form: W's first batch, the unit's sign fragment, bit-planes
+    // and (scale, Σq), then the rest of W batch by batch, then the 1-bit mma.
+    const int k0 = kb * kDBlock;
+    uint4 we[kU][2], wf[kU][2], xe[kU][1], xf[kU][1];
+    load_base<1, kU>(wA, wB, xrow, k0, K, ci, aligned, we, wf, xe, xf);
+    uint4 sa{}, xbf{};
+    float2 sc{};
+    if (kDelta) {
+      sa = ldg_stream(sg + size_t(kb) * 32);
+      xbf = __ldcg(planes + size_t(kb) * xq16 + lane);
+      sc = __ldcg(scales + size_t(kb) * xq8);
+    }
+    if (pending) release_part();
+    if (head_cut && T == T0 && q + adv >= L) fetch_part();
+    mma_base<1, kU>(k0, K, we, wf, xe, xf, acc);
+#pragma unroll 1
+    for (int h = 1; h < kDBlock / kKBlock / kU; ++h) {
+      load_base<1, kU>(wA, wB, xrow, k0 + kU * h * kKBlock, K, ci, aligned, we, wf, xe, xf);
+      mma_base<1, kU>(k0 + kU * h * kKBlock, K, we, wf, xe, xf, acc);
+    }
+    if (kDelta) {
+      delta_block(sa, xbf, sc.x, pw, dacc);
+      sq += sc.x * sc.y;
+    }
+    i = i + 1 == c ? 0 : i + 1;
+    q += adv;
+    if (q < L) {
+      const int u = unit_at(q);
+      T = u / KB, kb = u - T * KB;
+    }
+  }
+  if (cur >= 0) finish(cur);
+  if (pending) release_part();
+  if (head_cut) {
+    if (!fetched) fetch_part();
+    __syncwarp();
+    if (lane < 16) ysum[warp * 16 + lane] += pv;
+  }
+  __syncthreads();
+  if (head_cut && threadIdx.x == 0) p.arrived[T0] = 0;  // every warp has seen the count: back to zero
+  for (int e = threadIdx.x; e < ntiles * 16; e += blockDim.x) {
+    const int s = e >> 4, r = e & 15, n = (T0 + s) * 16 + r;
+    if ((s == ntiles - 1 && tail_cut) || n >= N) continue;
+    float v = 0.0f;
+    for (int w = 0; w < kWarps; ++w) v += ysum[(s * kWarps + w) * 16 + r];
+    p.y[n] = v;
+  }
+}
+
+// The balanced one-row kernel's launch, or false where it does not apply (its shared memory would
+// pass 48 KB: more than about 96 tiles per block).
+bool launch_row(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, const DeltaRef* d, const uint8_t* xq,
+                float* y, bool aligned, cudaStream_t stream) {
+  int dev = 0, sms = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int tiles = (N + 15) / 16, KB = sign_blocks(K);
+  const int64_t units = int64_t(tiles) * KB;
+  // Two blocks per multiprocessor. Whole tiles per block where that leaves the busiest
+  // multiprocessor at most 5% more than the average; else equal ranges of units, tiles cut between
+  // blocks (their merge costs 1–3 µs: NOTES.md, part 14).
+  const int slots = 2 * sms, tpb = (tiles + slots - 1) / slots;
+  const bool whole = int64_t(tpb) * slots * 100 <= int64_t(tiles) * 105;
+  const int blocks = whole ? (tiles + tpb - 1) / tpb : std::min(slots, tiles);
+  const int64_t longest = whole ? int64_t(tpb) * KB : (units + blocks - 1) / blocks;
+  const size_t smem = size_t((longest + 2 * KB - 2) / KB) * kWarps * 16 * sizeof(float);
+  if (units > INT32_MAX / 2 || smem > (48u << 10)) return false;
+  RowParams r{};
+  r.w = w, r.x = x, r.xq = xq, r.y = y, r.N = N, r.K = K, r.KB = KB, r.aligned = aligned;
+  r.units = int(units), r.blocks = blocks, r.whole = whole;
+  if (d) {
+    r.signs = reinterpret_cast<const uint4*>(d->signs);
+    r.alpha = d->alpha;
+    r.alpha_per_row = d->alpha_per_row ? 1 : 0;
+  }
+  if (!whole && blocks < tiles) {  // some tiles are cut between blocks
+    r.parts = static_cast<float*>(
+        stream_scratch(ScratchUse::kDecodeParts, stream, size_t(tiles) * kWarps * 16 * sizeof(float)));
+    r.arrived = static_cast<unsigned*>(stream_scratch(ScratchUse::kDecodeCounters, stream, size_t(tiles) * 4, true));
+  }
+  const dim3 grid{unsigned(blocks)}, block{kWarps * 32};
+  if (d)
+    launch_chained(decode_row_kernel<true>, grid, block, smem, stream, r);
+  else
+    launch_chained(decode_row_kernel<false>, grid, block, smem, stream, r);
+  return true;
+}
+
 // Four warps per row of x and 256-column block (quantize_row_block: one word of each lane's fragment
 // per warp), 8 warps per thread block. One warp making all four words took 128 ballots in a
 // dependent chain: 4.22 µs for one row of 8192 (run 40), against 3.84 µs this way (run 55).
@@ -536,6 +774,10 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     p.xq = scratch;
     quantize_x(x, rows, K, scratch, stream);
   }
+  // One row: the balanced grid (launch_row), unless the register kernel's own grid was asked for.
+  if (!streaming && rows == 1 && options.kernel != DecodeKernel::kRegisters &&
+      launch_row(w, N, K, x, deltas[0].signs ? &deltas[0] : nullptr, p.xq, y, p.aligned, stream))
+    return;
   if (streaming) {
     StreamArgs a{};
     a.w = w, a.N = N, a.K = K, a.x = x, a.rows = rows, a.deltas = deltas.data();

@@ -38,12 +38,15 @@
 namespace bitdelta::cuda {
 
 // Two kernels compute it (both below; bench/cuda/NOTES.md has their measurements):
-//   kRegisters  any GPU: each warp streams W and the signs straight into registers;
+//   kRegisters  any GPU: each warp streams W and the signs straight into registers; for one row of
+//               x (kAuto, kBalanced) on a grid that gives every block the same number of bytes
+//               (equal ranges of 16-row × 256-column units, a tile cut between two blocks summed
+//               through memory), with kRegisters on its own grid of whole tiles per block;
 //   kStream     sm_90a (fused_linear_stream.cuh): a TMA producer streams 64-row tiles of W, the
 //               variants' sign tiles and x into a shared-memory ring; the base on wgmma, the delta on
 //               the 1-bit mma, persistent blocks. Needs K a multiple of 8 and
 //               16-byte aligned W and x; otherwise kRegisters runs.
-enum class DecodeKernel { kAuto, kRegisters, kStream };
+enum class DecodeKernel { kAuto, kRegisters, kStream, kBalanced };
 
 constexpr int kMaxDecodeRows = 32;  // rows of x per call
 

@@ -10,6 +10,8 @@ namespace bitdelta::cuda {
 
 enum class ScratchUse {
   kQuantizedX,          // fused_linear_decode: x's rows quantized for the delta term
+  kDecodeParts,         // the balanced one-row decode kernel: early parts of cut tiles
+  kDecodeCounters,      // ... and their arrival counters
   kStreamParts,         // the streaming decode kernel: split tiles' partial sums
   kStreamCounters,      // ... and their arrival counters
   kAttentionParts,      // attention over positions split over blocks: the parts
