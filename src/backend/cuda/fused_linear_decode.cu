@@ -483,18 +483,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   pdl_wait();
   // An early part is counted (release: its writes before the count) once the warp's next loads of
   // W are on their way: a release waits for the part's writes to land, and there the warp would
-  // wait for its loads anyway. A warp with no unit in the tail tile still counts as one of its 8
-  // parts.
+  // wait for its loads anyway. Only the warps with units in the tile write parts: the first
+  // ceil(len / c) of a block, len its units of the tile (the reader counts the same).
   bool pending = false;
   const auto release_part = [&]() {
     __syncwarp();
     if (lane == 0) part_written(p.arrived + T1);
     pending = false;
   };
-  if (tail_cut && !(q < L && T == T1)) {
-    if (lane < 16) p.parts[(size_t(T1) * kWarps + warp) * 16 + lane] = 0.0f;
-    pending = true;
-  }
   const uint4* planes = reinterpret_cast<const uint4*>(p.xq + kQuantizedPlanes);
   const float2* scales = reinterpret_cast<const float2*>(p.xq);
   const int xq16 = quantized_x_block(1) >> 4, xq8 = quantized_x_block(1) >> 3;
@@ -523,16 +519,17 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     for (int h = 0; h < 4; ++h) acc[0][h] = 0.0f;
     dacc[0] = dacc[1] = sq = 0.0f;
   };
-  // The head tile's early parts from the block before, one per warp there, each added by the warp
-  // of the same index here (pv: row `lane`); read during the warp's last unit if that is in the
-  // head tile (while its loads of W are in flight), else after its loop.
+  // The head tile's early parts from the block before, one per warp there that had units in it,
+  // each added by the warp of the same index here (pv: row `lane`); read during the warp's last unit
+  // if that is in the head tile (while its loads of W are in flight), else after its loop.
   float pv = 0.0f;
-  bool fetched = false;
+  const int early = head_cut ? min(kWarps, (u0 - T0 * KB + c - 1) / c) : 0;
+  bool fetched = warp >= early;  // this warp adds part `warp` of the block before, if there is one
   const auto fetch_part = [&]() {
     if (lane == 0) {
       unsigned count = 0;
       do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(count) : "l"(p.arrived + T0) : "memory");
-      while (count < unsigned(kWarps));
+      while (count < unsigned(early));
     }
     __syncwarp();
     if (lane < 16) pv = __ldcg(p.parts + (size_t(T0) * kWarps + warp) * 16 + lane);
@@ -557,7 +554,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
       sc = __ldcg(scales + size_t(kb) * xq8);
     }
     if (pending) release_part();
-    if (head_cut && T == T0 && q + adv >= L) fetch_part();
+    if (!fetched && T == T0 && q + adv >= L) fetch_part();
     mma_base<1, kU>(k0, K, we, wf, xe, xf, acc);
 #pragma unroll 1
     for (int h = 1; h < kDBlock / kKBlock / kU; ++h) {
