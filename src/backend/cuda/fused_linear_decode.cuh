@@ -37,15 +37,17 @@
 
 namespace bitdelta::cuda {
 
-// Two kernels compute it (both below; bench/cuda/NOTES.md has their measurements):
-//   kRegisters  any GPU: each warp streams W and the signs straight into registers; for one row of
-//               x (kAuto, kBalanced) on a grid that gives every block the same number of bytes
-//               (equal ranges of 16-row × 256-column units, a tile cut between two blocks summed
-//               through memory), with kRegisters on its own grid of whole tiles per block;
+// Two kernels compute it, one of them on two grids (bench/cuda/NOTES.md has their measurements):
+//   kRegisters  any GPU: each warp streams W and the signs straight into registers, on a grid of
+//               whole 16-row tiles per block (k_split warps per tile);
+//   kBalanced   one row of x (the default there; other row counts as kAuto): the same arithmetic on
+//               a grid that gives every multiprocessor the same bytes: 2 blocks per multiprocessor
+//               taking equal ranges of (16-row tile, 256-column block) units, whole tiles where that
+//               is within 5% of even, else a tile cut between two blocks and summed through memory;
 //   kStream     sm_90a (fused_linear_stream.cuh): a TMA producer streams 64-row tiles of W, the
 //               variants' sign tiles and x into a shared-memory ring; the base on wgmma, the delta on
 //               the 1-bit mma, persistent blocks. Needs K a multiple of 8 and
-//               16-byte aligned W and x; otherwise kRegisters runs.
+//               16-byte aligned W and x; otherwise the register kernel runs (for one row, kBalanced).
 enum class DecodeKernel { kAuto, kRegisters, kStream, kBalanced };
 
 constexpr int kMaxDecodeRows = 32;  // rows of x per call
