@@ -526,11 +526,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   const int early = head_cut ? min(kWarps, (u0 - T0 * KB + c - 1) / c) : 0;
   bool fetched = warp >= early;  // this warp adds part `warp` of the block before, if there is one
   const auto fetch_part = [&]() {
-    if (lane == 0) {
-      unsigned count = 0;
-      do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(count) : "l"(p.arrived + T0) : "memory");
-      while (count < unsigned(early));
-    }
+    if (lane == 0) wait_count(p.arrived + T0, unsigned(early));  // (the block resets it at its end)
     __syncwarp();
     if (lane < 16) pv = __ldcg(p.parts + (size_t(T0) * kWarps + warp) * 16 + lane);
     fetched = true;
@@ -590,13 +586,19 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   }
 }
 
+// Multiprocessors of the current device (the runtime answers from its cache).
+int multiprocessors() {
+  int dev = 0, sms = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
 // The balanced one-row kernel's launch, or false where it does not apply (its shared memory would
 // pass 48 KB: more than about 96 tiles per block).
 bool launch_row(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, const DeltaRef* d, const uint8_t* xq,
                 float* y, bool aligned, cudaStream_t stream) {
-  int dev = 0, sms = 0;
-  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
-  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int sms = multiprocessors();
   const int tiles = (N + 15) / 16, KB = sign_blocks(K);
   const int64_t units = int64_t(tiles) * KB;
   // Two blocks per multiprocessor. Whole tiles per block where that leaves the busiest
@@ -805,9 +807,7 @@ int decode_default_k_split(int N, int rows) {
   // per multiprocessor), else 2: at 8192 rows 4 took 40.16 µs against 41.22 with 8 (run 76); at
   // 11008 and 28672 rows 2 was 2–8% faster than 8 (runs 41, 47, 49) and 4 slower than both (run 76).
   if (rows != 1) return kWarps;
-  int dev = 0, sms = 0;  // of the current device (the runtime answers from its cache)
-  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
-  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int sms = multiprocessors();
   const int64_t tiles = (int64_t(N) + 15) / 16;
   for (int ks : {kWarps, kWarps / 2})
     if ((tiles * ks + kWarps - 1) / kWarps <= 2 * int64_t(sms)) return ks;
