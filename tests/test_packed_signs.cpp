@@ -3,6 +3,8 @@
 //   - every bit of a packed word is where the layout's definition (written out again below, from the
 //     mma fragment order) puts it;
 //   - packed_sign_byte, which the prefill kernel uses, gives back the file's bytes;
+//   - bit_planes32, with which the one-row decode kernel makes x's bit-planes, puts bit p of value i
+//     at bit i of word p;
 // on random bits and on shapes with N and K not multiples of 16 and 256 (bits past them are zero).
 #include <gtest/gtest.h>
 
@@ -14,6 +16,7 @@
 
 namespace {
 
+using bitdelta::cuda::bit_planes32;
 using bitdelta::cuda::packed_sign_byte;
 using bitdelta::cuda::packed_sign_word;
 using bitdelta::cuda::packed_sign_words;
@@ -75,6 +78,25 @@ TEST(PackedSigns, ByteReadBackEqualsTheFile) {
       for (int b = 0; b < row_bytes; ++b)
         ASSERT_EQ(packed_sign_byte(p.words.data(), p.KB, n, b), p.raw[size_t(n) * row_bytes + b])
             << N << "x" << K << " row " << n << " byte " << b;
+  }
+}
+
+TEST(PackedSigns, BitPlanesOfThirtyTwoValues) {
+  std::mt19937 rng(2026);
+  for (int trial = 0; trial < 2000; ++trial) {
+    int16_t q[32];
+    for (auto& v : q) {
+      // Random values, and the extremes and small values the quantization gives most often.
+      const uint32_t u = rng();
+      v = trial % 4 == 0 ? int16_t(u % 2 ? 32767 : -32767) : trial % 4 == 1 ? int16_t(int(u % 7) - 3) : int16_t(u);
+    }
+    uint32_t r[16];
+    for (int k = 0; k < 16; ++k) r[k] = uint32_t(uint16_t(q[k])) | (uint32_t(uint16_t(q[k + 16])) << 16);
+    bit_planes32(r);
+    for (int p = 0; p < 16; ++p)
+      for (int i = 0; i < 32; ++i)
+        ASSERT_EQ((r[p] >> i) & 1, (uint32_t(uint16_t(q[i])) >> p) & 1) << "trial " << trial << " plane " << p
+                                                                         << " value " << i;
   }
 }
 

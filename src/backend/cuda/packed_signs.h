@@ -49,4 +49,43 @@ BITDELTA_HOST_DEVICE uint32_t packed_sign_byte(const uint32_t* packed, int KB, i
   return (w >> (c & 31)) & 0xFFu;
 }
 
+// Bytes of (a, b) picked by the selector's nibbles (byte i of the result: byte s_i of b:a), as
+// CUDA's __byte_perm (PRMT) without its sign-extension mode.
+BITDELTA_HOST_DEVICE uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, s);
+#else
+  const uint64_t ab = uint64_t(b) << 32 | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((ab >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+  return r;
+#endif
+}
+
+// The bit-planes of 32 16-bit integers (x's quantized values, delta_b1.cuh): on entry r[k] holds
+// q_k in its low half and q_{k+16} in its high half (k < 16); on return r[p] holds bit p of q_i at
+// bit i (p < 16, i < 32): the words a lane's 1-bit mma B fragment takes. This is a 32 × 32 bit
+// transpose (Hacker's Delight's, least significant bit first) of the words q_0..q_31 whose first step
+// (16-bit halves of words k and k + 16 exchanged) is the packing on entry: the q have no high bits,
+// so words 16..31 are zero after it and stay zero. The next step exchanges whole bytes: two byte
+// permutes per pair of words; the last three, 8 exchanges of 5 instructions each.
+BITDELTA_HOST_DEVICE void bit_planes32(uint32_t (&r)[16]) {
+  for (int k = 0; k < 8; ++k) {
+    const uint32_t a = r[k], b = r[k + 8];
+    r[k] = byte_perm(a, b, 0x6240);      // bytes a0 b0 a2 b2
+    r[k + 8] = byte_perm(a, b, 0x7351);  // bytes a1 b1 a3 b3
+  }
+  const auto step = [&](int j, uint32_t m) {
+    for (int k = 0; k < 16; ++k)
+      if (!(k & j)) {
+        const uint32_t t = ((r[k] >> j) ^ r[k + j]) & m;
+        r[k + j] ^= t;
+        r[k] ^= t << j;
+      }
+  };
+  step(4, 0x0F0F0F0Fu);
+  step(2, 0x33333333u);
+  step(1, 0x55555555u);
+}
+
 }  // namespace bitdelta::cuda
