@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "packed_signs.h"
+
 namespace bitdelta::cuda {
 
 constexpr int kQMax = 32767;  // x quantized to 16-bit integers per row and 256-column block
@@ -88,6 +90,99 @@ __device__ __forceinline__ void quantize_row_block(const __nv_bfloat16* x, int K
     for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (lane == 0) reinterpret_cast<float2*>(blk)[r] = make_float2(m / float(kQMax), float(sum));
   }
+}
+
+// One row of x quantized as quantize_row_block does (the same scale, q and Σq, bit for bit), by a
+// whole thread block into shared memory: block kb at xs + kb·kRowPlaneBytes, the 32 lanes' B
+// fragments (512 bytes, as in quantized_x_block) then (scale, Σq). A thread takes 32 columns (one
+// word of every plane; an item): its values' maximum is reduced over the 8 threads of the block, and
+// its bit-planes come from an in-register transpose (bit_planes32), not from 128 ballots per block.
+// A thread issues the loads of two items before it works on either (K past 8192 gives some
+// threads two), so that their latencies overlap. Every thread of the block calls it; the caller
+// synchronizes before reading xs.
+constexpr int kRowPlaneBytes = 528;  // 512 bytes of fragments, (scale, Σq), padded to 16 bytes
+
+// The 32 columns from c0 as bf16 pairs (zero past K).
+__device__ __forceinline__ void load_item(const __nv_bfloat16* x, int K, bool aligned, int c0, uint32_t (&raw)[16]) {
+  if (aligned && c0 + 32 <= K) {
+    const uint4* src = reinterpret_cast<const uint4*>(x + c0);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const uint4 u = __ldg(src + v);
+      raw[4 * v] = u.x, raw[4 * v + 1] = u.y, raw[4 * v + 2] = u.z, raw[4 * v + 3] = u.w;
+    }
+  } else {
+    const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x);
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      const int a = c0 + 2 * m;
+      raw[m] = (a < K ? x16[a] : 0u) | ((a + 1 < K ? uint32_t(x16[a + 1]) : 0u) << 16);
+    }
+  }
+}
+
+// Item (kb, j): columns kb·256 + 32j.. quantized into block kb of xs (raw: load_item's).
+__device__ __forceinline__ void quantize_item(const uint32_t (&raw)[16], int kb, int j, unsigned group, uint8_t* xs) {
+  const auto value = [&](int i) {
+    return __uint_as_float(i & 1 ? raw[i >> 1] & 0xFFFF0000u : raw[i >> 1] << 16);
+  };
+  float a[16];  // max |x| as a tree (the same value in any order)
+#pragma unroll
+  for (int i = 0; i < 16; ++i) a[i] = fmaxf(fabsf(value(2 * i)), fabsf(value(2 * i + 1)));
+  const float m4[4] = {fmaxf(fmaxf(a[0], a[8]), fmaxf(a[4], a[12])), fmaxf(fmaxf(a[1], a[9]), fmaxf(a[5], a[13])),
+                       fmaxf(fmaxf(a[2], a[10]), fmaxf(a[6], a[14])), fmaxf(fmaxf(a[3], a[11]), fmaxf(a[7], a[15]))};
+  float m = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) m = fmaxf(m, __shfl_xor_sync(group, m, o));
+  const float inv = m > 0.0f ? float(kQMax) / m : 0.0f;
+  // q = round(v · inv), to nearest even as __float2int_rn, but on the full-rate float adder (the
+  // conversion runs at a quarter of its rate): the product plus 1.5·2²³ is rounded to an integer
+  // (its exponent leaves no fraction bits), which then sits in the low bits of the sum's
+  // representation, two's complement. |v · inv| ≤ kQMax, so quantize_row_block's clamp changes
+  // nothing and is left out. Σq, from those representations, wraps correctly in 32 bits.
+  constexpr float kMagic = 12582912.0f;  // 1.5·2²³: bits 0x4B400000
+  uint32_t r[16], s[16];
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    const uint32_t lo = __float_as_uint(__fadd_rn(__fmul_rn(value(k), inv), kMagic));
+    const uint32_t hi = __float_as_uint(__fadd_rn(__fmul_rn(value(k + 16), inv), kMagic));
+    s[k] = lo + hi;
+    r[k] = __byte_perm(lo, hi, 0x5410);
+  }
+  const uint32_t s4[4] = {(s[0] + s[8]) + (s[4] + s[12]), (s[1] + s[9]) + (s[5] + s[13]),
+                          (s[2] + s[10]) + (s[6] + s[14]), (s[3] + s[11]) + (s[7] + s[15])};
+  uint32_t sum = (s4[0] + s4[1]) + (s4[2] + s4[3]) - 32u * 0x4B400000u;
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(group, sum, o);
+  bit_planes32(r);
+  // Plane p of word j (columns 32j..) is register 2·(p / 8) + j / 4 of lane 4·(p % 8) + j % 4.
+  uint32_t* frag = reinterpret_cast<uint32_t*>(xs + kb * kRowPlaneBytes);
+#pragma unroll
+  for (int p = 0; p < 16; ++p) frag[((p & 7) * 4 + (j & 3)) * 4 + (p >> 3) * 2 + (j >> 2)] = r[p];
+  if (j == 0)
+    *reinterpret_cast<float2*>(xs + kb * kRowPlaneBytes + 512) = make_float2(m / float(kQMax), float(int(sum)));
+}
+
+// after_loads(): called once by every thread, after its first loads of x are issued.
+template <typename F>
+__device__ __forceinline__ void quantize_row_shared(const __nv_bfloat16* x, int K, bool aligned, uint8_t* xs,
+                                                    F&& after_loads) {
+  const int items = (K + 255) / 256 * 8, n = blockDim.x;
+  const unsigned group = 0xFFu << (threadIdx.x & 24);  // the 8 lanes that share a 256-column block
+  bool called = false;
+  for (int a = threadIdx.x; a < items; a += 2 * n) {  // whole groups of 8 take part in each item
+    const int b = a + n;
+    uint32_t ra[16], rb[16];
+    load_item(x, K, aligned, (a >> 3) * 256 + (a & 7) * 32, ra);
+    if (b < items) load_item(x, K, aligned, (b >> 3) * 256 + (b & 7) * 32, rb);
+    if (!called) after_loads(), called = true;
+    quantize_item(ra, a >> 3, a & 7, group, xs);
+    if (b < items) quantize_item(rb, b >> 3, b & 7, group, xs);
+  }
+  if (!called) after_loads();
+}
+__device__ __forceinline__ void quantize_row_shared(const __nv_bfloat16* x, int K, bool aligned, uint8_t* xs) {
+  quantize_row_shared(x, K, aligned, xs, [] {});
 }
 
 }  // namespace bitdelta::cuda

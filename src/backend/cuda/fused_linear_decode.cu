@@ -406,13 +406,15 @@ void launch_slots(DecodeParams& p, bool grouped, cudaStream_t stream) {
 // (the same result on every run), usually long after they were written. A block so waits only on
 // the block before it, which the GPU started no later (also while the previous kernel of a
 // programmatic-dependent chain still holds multiprocessors).
+// With a delta, each block first quantizes x into its shared memory (quantize_row_shared), after the
+// wait for the kernel that wrote x: no quantizing launch before it. In a chain of launches that
+// launch cost 2–3 µs per linear layer, against 0.7–0.9 µs timed alone (NOTES.md, part 15).
 // The register kernel's own grid (whole tiles per block, k_split warps per tile) leaves some
 // multiprocessors with one block where others have two, or a partial second wave: at 11008 × 4096,
 // 172 blocks for 132 multiprocessors; at 28672 × 8192, 448 (NOTES.md, part 14).
 struct RowParams {
   const __nv_bfloat16* w;
   const __nv_bfloat16* x;
-  const uint8_t* xq;  // one quantized row (quantized_x_block(1) bytes per 256-column block)
   float* y;
   const uint4* signs;  // packed (packed_signs.h); null: the base alone
   const float* alpha;
@@ -428,9 +430,13 @@ template <bool kDelta>
 __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowParams p) {
   pdl_launch_dependents();  // launch.cuh: the next kernel may start; this one waits below
   constexpr int kU = 2;     // 64-column steps of W per load batch, as the register kernel
-  extern __shared__ float ysum[];  // [tile of the range][warp][16 rows]
+  // Shared memory: with a delta, x quantized (KB blocks of kRowPlaneBytes); then the warps' sums,
+  // [tile of the range][warp][16 rows].
+  extern __shared__ uint4 smem_row[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane >> 2, t = lane & 3;
   const int KB = p.KB, K = p.K, N = p.N;
+  uint8_t* const xs = reinterpret_cast<uint8_t*>(smem_row);
+  float* const ysum = reinterpret_cast<float*>(xs + (kDelta ? KB * kRowPlaneBytes : 0));
   const int per = p.whole ? KB : 1, items = p.units / per;  // ranges of whole tiles, or of units
   const int u0 = int(int64_t(items) * blockIdx.x / p.blocks) * per;
   const int u1 = int(int64_t(items) * (blockIdx.x + 1) / p.blocks) * per;
@@ -470,17 +476,26 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
       for (int h = 0; h < 2; ++h) al[h] = __ldg(p.alpha + (p.alpha_per_row ? min(tile * 16 + gid + 8 * h, N - 1) : 0));
     }
   };
-  // Before the wait (weights and deltas only: launch.cuh): the first tile's rows, sign blocks and α,
-  // and the first unit of W on its way to L2.
+  // Before the wait (weights and deltas only: launch.cuh): the first tile's rows, sign blocks and α.
+  // The warp's first unit of W goes on its way to L2 then too without a delta; with one, once the
+  // block's loads of x (to quantize it) are issued: sent before them, its misses delayed those loads
+  // and so the whole block (0.4–1.3 µs per call: NOTES.md, part 15).
   int cur = -1, T = 0, kb = 0;
   if (q < L) {
     const int u = unit_at(q);
     T = u / KB, kb = u - T * KB;
     start_tile(cur = T);
-    const int k = kb * kDBlock + t * (kDBlock / 4);
-    if (k < K) prefetch_l2(wA + k), prefetch_l2(wB + k);
   }
+  const auto prefetch_first = [&]() {
+    const int k = kb * kDBlock + t * (kDBlock / 4);
+    if (q < L && k < K) prefetch_l2(wA + k), prefetch_l2(wB + k);
+  };
+  if (!kDelta) prefetch_first();
   pdl_wait();
+  if (kDelta) {  // x quantized into shared memory by the whole block
+    quantize_row_shared(p.x, K, p.aligned, xs, prefetch_first);
+    __syncthreads();
+  }
   // An early part is counted (release: its writes before the count) once the warp's next loads of
   // W are on their way: a release waits for the part's writes to land, and there the warp would
   // wait for its loads anyway. Only the warps with units in the tile write parts: the first
@@ -491,9 +506,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     if (lane == 0) part_written(p.arrived + T1);
     pending = false;
   };
-  const uint4* planes = reinterpret_cast<const uint4*>(p.xq + kQuantizedPlanes);
-  const float2* scales = reinterpret_cast<const float2*>(p.xq);
-  const int xq16 = quantized_x_block(1) >> 4, xq8 = quantized_x_block(1) >> 3;
   // The warp's sums for `tile`: rows gid and gid + 8 of it in the lanes with t = 0.
   const auto finish = [&](int tile) {
     float v[2];
@@ -541,13 +553,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     // and (scale, Σq), then the rest of W batch by batch, then the 1-bit mma.
     const int k0 = kb * kDBlock;
     uint4 we[kU][2], wf[kU][2], xe[kU][1], xf[kU][1];
-    load_base<1, kU>(wA, wB, xrow, k0, K, ci, aligned, we, wf, xe, xf);
     uint4 sa{}, xbf{};
     float2 sc{};
+    load_base<1, kU>(wA, wB, xrow, k0, K, ci, aligned, we, wf, xe, xf);
     if (kDelta) {
       sa = ldg_stream(sg + size_t(kb) * 32);
-      xbf = __ldcg(planes + size_t(kb) * xq16 + lane);
-      sc = __ldcg(scales + size_t(kb) * xq8);
+      const uint8_t* blk = xs + kb * kRowPlaneBytes;
+      xbf = *reinterpret_cast<const uint4*>(blk + 16 * lane);
+      sc = *reinterpret_cast<const float2*>(blk + 512);
     }
     if (pending) release_part();
     if (!fetched && T == T0 && q + adv >= L) fetch_part();
@@ -594,41 +607,57 @@ int multiprocessors() {
   return sms;
 }
 
-// The balanced one-row kernel's launch, or false where it does not apply (its shared memory would
-// pass 48 KB: more than about 96 tiles per block).
-bool launch_row(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, const DeltaRef* d, const uint8_t* xq,
-                float* y, bool aligned, cudaStream_t stream) {
+// The balanced one-row kernel's grid and shared memory for [N, K] (with a delta or not); valid is
+// false where it does not apply: its shared memory would pass kRowSmemMax (x quantized, about 4 KB
+// per 1000 columns, and the warps' sums, 512 bytes per tile of the longest range).
+constexpr size_t kRowSmemMax = 100u << 10;  // two blocks per multiprocessor (228 KB)
+struct RowPlan {
+  bool valid;
+  bool whole;
+  int blocks;
+  int64_t units;
+  size_t smem;
+};
+RowPlan plan_row(int N, int K, bool delta) {
   const int sms = multiprocessors();
   const int tiles = (N + 15) / 16, KB = sign_blocks(K);
-  const int64_t units = int64_t(tiles) * KB;
+  RowPlan r{};
+  r.units = int64_t(tiles) * KB;
   // Two blocks per multiprocessor. Whole tiles per block where that leaves the busiest
   // multiprocessor at most 5% more than the average; else equal ranges of units, tiles cut between
   // blocks (their merge costs 1–3 µs: NOTES.md, part 14).
   const int slots = 2 * sms, tpb = (tiles + slots - 1) / slots;
-  const bool whole = int64_t(tpb) * slots * 100 <= int64_t(tiles) * 105;
-  const int blocks = whole ? (tiles + tpb - 1) / tpb : std::min(slots, tiles);
-  const int64_t longest = whole ? int64_t(tpb) * KB : (units + blocks - 1) / blocks;
-  const size_t smem = size_t((longest + 2 * KB - 2) / KB) * kWarps * 16 * sizeof(float);
-  if (units > INT32_MAX / 2 || smem > (48u << 10)) return false;
+  r.whole = int64_t(tpb) * slots * 100 <= int64_t(tiles) * 105;
+  r.blocks = r.whole ? (tiles + tpb - 1) / tpb : std::min(slots, tiles);
+  const int64_t longest = r.whole ? int64_t(tpb) * KB : (r.units + r.blocks - 1) / r.blocks;
+  r.smem = size_t((longest + 2 * KB - 2) / KB) * kWarps * 16 * sizeof(float) +
+           (delta ? size_t(KB) * kRowPlaneBytes : 0);
+  r.valid = r.units <= INT32_MAX / 2 && r.smem <= kRowSmemMax;
+  return r;
+}
+
+// The balanced one-row kernel's launch (plan_row(N, K, d != nullptr).valid).
+void launch_row(const RowPlan& plan, const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, const DeltaRef* d,
+                float* y, bool aligned, cudaStream_t stream) {
+  const int tiles = (N + 15) / 16, KB = sign_blocks(K);
   RowParams r{};
-  r.w = w, r.x = x, r.xq = xq, r.y = y, r.N = N, r.K = K, r.KB = KB, r.aligned = aligned;
-  r.units = int(units), r.blocks = blocks, r.whole = whole;
+  r.w = w, r.x = x, r.y = y, r.N = N, r.K = K, r.KB = KB, r.aligned = aligned;
+  r.units = int(plan.units), r.blocks = plan.blocks, r.whole = plan.whole;
   if (d) {
     r.signs = reinterpret_cast<const uint4*>(d->signs);
     r.alpha = d->alpha;
     r.alpha_per_row = d->alpha_per_row ? 1 : 0;
   }
-  if (!whole && blocks < tiles) {  // some tiles are cut between blocks
+  if (!plan.whole && plan.blocks < tiles) {  // some tiles are cut between blocks
     r.parts = static_cast<float*>(
         stream_scratch(ScratchUse::kDecodeParts, stream, size_t(tiles) * kWarps * 16 * sizeof(float)));
     r.arrived = static_cast<unsigned*>(stream_scratch(ScratchUse::kDecodeCounters, stream, size_t(tiles) * 4, true));
   }
-  const dim3 grid{unsigned(blocks)}, block{kWarps * 32};
-  if (d)
-    launch_chained(decode_row_kernel<true>, grid, block, smem, stream, r);
-  else
-    launch_chained(decode_row_kernel<false>, grid, block, smem, stream, r);
-  return true;
+  const dim3 grid{unsigned(plan.blocks)}, block{kWarps * 32};
+  const auto kernel = d ? decode_row_kernel<true> : decode_row_kernel<false>;
+  if (plan.smem > (48u << 10))  // past the default limit: asked for at this launch (large K only)
+    BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)));
+  launch_chained(kernel, grid, block, plan.smem, stream, r);
 }
 
 // Four warps per row of x and 256-column block (quantize_row_block: one word of each lane's fragment
@@ -644,6 +673,25 @@ __global__ void __launch_bounds__(kPrepWarps * 32) prepare_x_kernel(const __nv_b
   if (item >= rows * KB) return;  // whole warps
   const int r = item % rows, kb = item / rows;
   quantize_row_block(x, K, r, kb, xq + size_t(kb) * xq_block, warp % kPrepWarpsPerItem);
+}
+
+// quantize_x_in_block: one block quantizes x[K] in shared memory as the one-row kernel does, then
+// copies it out in quantize_x's layout.
+__global__ void __launch_bounds__(kWarps * 32) quantize_in_block_kernel(const __nv_bfloat16* x, int K, bool aligned,
+                                                                          uint8_t* xq) {
+  extern __shared__ uint4 smem_q[];
+  uint8_t* xs = reinterpret_cast<uint8_t*>(smem_q);
+  quantize_row_shared(x, K, aligned, xs);
+  __syncthreads();
+  const int KB = sign_blocks(K), blk = quantized_x_block(1);
+  for (int i = threadIdx.x; i < KB * 128; i += blockDim.x) {  // the fragments, a word at a time
+    const int kb = i >> 7, w = i & 127;
+    reinterpret_cast<uint32_t*>(xq + size_t(kb) * blk + kQuantizedPlanes)[w] =
+        reinterpret_cast<const uint32_t*>(xs + kb * kRowPlaneBytes)[w];
+  }
+  for (int kb = threadIdx.x; kb < KB; kb += blockDim.x)
+    *reinterpret_cast<float2*>(xq + size_t(kb) * blk) =
+        *reinterpret_cast<const float2*>(xs + kb * kRowPlaneBytes + 512);
 }
 
 __global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KB, size_t words, uint32_t* out) {
@@ -762,6 +810,13 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   p.nslots = grouped ? ngroup : nrow;
   if (!streaming)
     for (int s = 0; s < p.nslots; ++s) p.slots[s] = grouped ? by_group[s] : by_row[s];
+  // One row: the balanced grid, which quantizes x itself, unless the register kernel's own grid was
+  // asked for.
+  const DeltaRef* row_delta = deltas[0].signs ? &deltas[0] : nullptr;
+  if (!streaming && rows == 1 && options.kernel != DecodeKernel::kRegisters) {
+    const RowPlan plan = plan_row(N, K, row_delta != nullptr);
+    if (plan.valid) return launch_row(plan, w, N, K, x, row_delta, y, p.aligned, stream);
+  }
   // The rows of x quantized for the delta term go to a scratch buffer of this stream (calls on one
   // stream reuse it in stream order).
   p.xq_block = quantized_x_block(rows);
@@ -773,10 +828,6 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     p.xq = scratch;
     quantize_x(x, rows, K, scratch, stream);
   }
-  // One row: the balanced grid (launch_row), unless the register kernel's own grid was asked for.
-  if (!streaming && rows == 1 && options.kernel != DecodeKernel::kRegisters &&
-      launch_row(w, N, K, x, deltas[0].signs ? &deltas[0] : nullptr, p.xq, y, p.aligned, stream))
-    return;
   if (streaming) {
     StreamArgs a{};
     a.w = w, a.N = N, a.K = K, a.x = x, a.rows = rows, a.deltas = deltas.data();
@@ -797,6 +848,17 @@ void quantize_x(const __nv_bfloat16* x, int rows, int K, uint8_t* xq, cudaStream
   const int KB = sign_blocks(K), warps = rows * KB * kPrepWarpsPerItem;
   launch_chained(prepare_x_kernel, dim3(unsigned((warps + kPrepWarps - 1) / kPrepWarps)), dim3(kPrepWarps * 32), 0,
                  stream, x, rows, K, KB, xq, quantized_x_block(rows));
+  BITDELTA_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_x_in_block(const __nv_bfloat16* x, int K, uint8_t* xq, cudaStream_t stream) {
+  if (K < 1) fail("cuda::quantize_x_in_block: ", K, " columns");
+  const size_t smem = size_t(sign_blocks(K)) * kRowPlaneBytes;
+  if (smem > kRowSmemMax) fail("cuda::quantize_x_in_block: ", K, " columns need more shared memory than a block has");
+  if (smem > (48u << 10))
+    BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(quantize_in_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             int(smem)));
+  quantize_in_block_kernel<<<1, kWarps * 32, smem, stream>>>(x, K, K % 8 == 0 && aligned16(x), xq);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 

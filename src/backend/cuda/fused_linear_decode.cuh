@@ -44,6 +44,7 @@ namespace bitdelta::cuda {
 //               a grid that gives every multiprocessor the same bytes: 2 blocks per multiprocessor
 //               taking equal ranges of (16-row tile, 256-column block) units, whole tiles where that
 //               is within 5% of even, else a tile cut between two blocks and summed through memory;
+//               with a delta each block quantizes x itself (no quantizing launch before it);
 //   kStream     sm_90a (fused_linear_stream.cuh): a TMA producer streams 64-row tiles of W, the
 //               variants' sign tiles and x into a shared-memory ring; the base on wgmma, the delta on
 //               the 1-bit mma, persistent blocks. Needs K a multiple of 8 and
@@ -63,7 +64,7 @@ struct DecodeOptions {
   int stages = 0;  // kStream: ring stages (0 = as many as fit one block per multiprocessor)
   // x already quantized by quantize_x (these rows, this K; device memory), or null: a launch before
   // the kernel quantizes it. (Ignored where the register kernel takes more than 16 rows in two
-  // launches.)
+  // launches, and by kBalanced, which quantizes its one row of x in each block's shared memory.)
   const uint8_t* xq = nullptr;
 };
 
@@ -79,6 +80,9 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
 // DecodeOptions::xq passes its result.
 size_t quantized_x_bytes(int rows, int K);
 void quantize_x(const __nv_bfloat16* x, int rows, int K, uint8_t* xq, cudaStream_t stream);
+// One row quantized the way kBalanced does it, in one block's shared memory (a transpose instead of
+// quantize_x's ballots), copied out in quantize_x's layout: the same bytes (tests compare them).
+void quantize_x_in_block(const __nv_bfloat16* x, int K, uint8_t* xq, cudaStream_t stream);
 
 // The k_split that the register kernel chooses for N output rows and `rows` rows of x (before slot
 // groups take warps).
