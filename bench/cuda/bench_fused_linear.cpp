@@ -189,12 +189,13 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
              bytes, tc, "x cuBLAS alt."});
       }
     }
-    {  // x quantized before the call (as a kernel producing x could leave it): the linear alone, and
-       // the quantizing launch alone
+    {  // x quantized before the call (as a kernel producing x could leave it), for the register kernel
+       // (the balanced grid quantizes x in each block): the linear alone, and the quantizing launch
+       // alone
       DeviceMem xq(bcuda::quantized_x_bytes(1, K));
       auto* q = static_cast<uint8_t*>(xq.ptr);
       bcuda::quantize_x(X, 1, K, q, nullptr);
-      bcuda::DecodeOptions o{0, 0, kBalanced};
+      bcuda::DecodeOptions o{0, 0, kRegisters};
       o.xq = q;
       const double t = time_us(
           [&](int s) {
@@ -202,7 +203,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
             bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, o);
           },
           reps);
-      add({shape, "a: 1 row 1 variant", "balanced, x quantized before", t, bytes, t_cublas, "x cuBLAS"});
+      add({shape, "a: 1 row 1 variant", "registers, x quantized before", t, bytes, t_cublas, "x cuBLAS"});
       // 20 calls back to back, each free to start during the last (as a step's kernels are).
       for (auto kernel : {kBalanced, kRegisters}) {
         const double tc = time_chain_us(
@@ -213,6 +214,23 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
             20);
         add({shape, "a: 1 row 1 variant", kernel == kBalanced ? "balanced, chain of 20" : "registers, chain of 20", tc,
              bytes, t_cublas, "x cuBLAS"});
+      }
+      {  // The chain's share of the quantizing launch (the register kernel with x quantized before),
+         // and the balanced grid with no delta at all.
+        const double tq20 = time_chain_us(
+            [&](int s) {
+              const DeltaRef d = delta(s, 0);
+              bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, o);
+            },
+            20);
+        add({shape, "a: 1 row 1 variant", "registers, chain of 20, x quantized before", tq20, bytes, t_cublas,
+             "x cuBLAS"});
+        const DeltaRef none{};
+        const double tn20 = time_chain_us(
+            [&](int s) { bcuda::fused_linear_decode(W(s), N, K, X, 1, {&none, 1}, Y, nullptr, {0, 0, kBalanced}); },
+            20);
+        add({shape, "a: 1 row base", "balanced, chain of 20, no delta", tn20, double(wbytes) + N * 4.0, t_cublas,
+             "x cuBLAS"});
       }
       const double tcb = time_chain_us([&](int s) { cublas_rows(1, s); }, 20);
       add({shape, "a: 1 row base", "cuBLAS, chain of 20 calls", tcb, double(wbytes), t_cublas, "x cuBLAS"});
