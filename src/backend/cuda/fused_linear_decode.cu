@@ -479,7 +479,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   // Before the wait (weights and deltas only: launch.cuh): the first tile's rows, sign blocks and α.
   // The warp's first unit of W goes on its way to L2 then too without a delta; with one, once the
   // block's loads of x (to quantize it) are issued: sent before them, its misses delayed those loads
-  // and so the whole block (0.4–1.3 µs per call: NOTES.md, part 15).
+  // and so the whole block (0.1–1.3 µs per call: NOTES.md, part 15).
   int cur = -1, T = 0, kb = 0;
   if (q < L) {
     const int u = unit_at(q);
