@@ -5,7 +5,9 @@
 //   (b) 16 rows from 16 distinct variants vs the byte roofline (2NK + 16·NK/8 bytes ÷ copy
 //   bandwidth) (c) 512 rows, 1 variant: prefill methods vs cuBLAS base-only GEMM
 // Modes: (none) all cases at the five shapes; --prefill [N K ...] case (c) only, at those shapes or
-// the five; --few-rows [N K ...] case c' (8–48 rows of one variant) only; --quick the first shape; --profile [N K], --profile-prefill [N K [rows]] few reps (for ncu);
+// the five; --one-row [N K ...] case (a) only (alone, alternating, in chains of 20); --few-rows
+// [N K ...] case c' (8–48 rows of one variant) only; --quick the first shape; --profile [N K],
+// --profile-prefill [N K [rows]] few reps (for ncu);
 // --tile-read [N K ...] the streaming kernel's TMA ring alone in several stage geometries (tile_read.h).
 // Timing: CUDA events around each call, warm-up, median of many reps; every rep uses the next of
 // several weight/sign buffer sets so that the 60 MB L2 never serves them; data random (never
