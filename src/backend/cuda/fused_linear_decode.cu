@@ -408,7 +408,7 @@ void launch_slots(DecodeParams& p, bool grouped, cudaStream_t stream) {
 // programmatic-dependent chain still holds multiprocessors).
 // With a delta, each block first quantizes x into its shared memory (quantize_row_shared), after the
 // wait for the kernel that wrote x: no quantizing launch before it. In a chain of launches that
-// launch cost 2–3 µs per linear layer, against 0.7–0.9 µs timed alone (NOTES.md, part 15).
+// launch cost 1.4–3.3 µs per linear layer, against 0.4–1.6 µs timed alone (NOTES.md, part 15).
 // The register kernel's own grid (whole tiles per block, k_split warps per tile) leaves some
 // multiprocessors with one block where others have two, or a partial second wave: at 11008 × 4096,
 // 172 blocks for 132 multiprocessors; at 28672 × 8192, 448 (NOTES.md, part 14).
@@ -636,6 +636,19 @@ RowPlan plan_row(int N, int K, bool delta) {
   return r;
 }
 
+// A kernel of this file needing more than the default 48 KB of dynamic shared memory: allowed
+// kRowSmemMax on the current device the first time (a host call, not one per launch).
+template <auto kKernel>
+void allow_row_smem() {
+  constexpr int kDevices = 64;
+  static std::atomic<bool> allowed[kDevices];
+  int dev = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < kDevices && allowed[dev].load(std::memory_order_relaxed)) return;
+  BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kRowSmemMax)));
+  if (dev < kDevices) allowed[dev].store(true, std::memory_order_relaxed);
+}
+
 // The balanced one-row kernel's launch (plan_row(N, K, d != nullptr).valid).
 void launch_row(const RowPlan& plan, const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, const DeltaRef* d,
                 float* y, bool aligned, cudaStream_t stream) {
@@ -654,9 +667,13 @@ void launch_row(const RowPlan& plan, const __nv_bfloat16* w, int N, int K, const
     r.arrived = static_cast<unsigned*>(stream_scratch(ScratchUse::kDecodeCounters, stream, size_t(tiles) * 4, true));
   }
   const dim3 grid{unsigned(plan.blocks)}, block{kWarps * 32};
+  if (plan.smem > (48u << 10)) {  // large K only
+    if (d)
+      allow_row_smem<decode_row_kernel<true>>();
+    else
+      allow_row_smem<decode_row_kernel<false>>();
+  }
   const auto kernel = d ? decode_row_kernel<true> : decode_row_kernel<false>;
-  if (plan.smem > (48u << 10))  // past the default limit: asked for at this launch (large K only)
-    BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem)));
   launch_chained(kernel, grid, block, plan.smem, stream, r);
 }
 
@@ -855,9 +872,7 @@ void quantize_x_in_block(const __nv_bfloat16* x, int K, uint8_t* xq, cudaStream_
   if (K < 1) fail("cuda::quantize_x_in_block: ", K, " columns");
   const size_t smem = size_t(sign_blocks(K)) * kRowPlaneBytes;
   if (smem > kRowSmemMax) fail("cuda::quantize_x_in_block: ", K, " columns need more shared memory than a block has");
-  if (smem > (48u << 10))
-    BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(quantize_in_block_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             int(smem)));
+  if (smem > (48u << 10)) allow_row_smem<quantize_in_block_kernel>();
   quantize_in_block_kernel<<<1, kWarps * 32, smem, stream>>>(x, K, K % 8 == 0 && aligned16(x), xq);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
