@@ -231,10 +231,10 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], const uint32_t (
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(Accumulate ? 1 : 0));
 }
 
-// ±α for the two columns at bits P and P + 16 of z (1 = −α), as a bf16 pair: a shift and a LOP3.
-template <int P>
-__device__ __forceinline__ uint32_t delta_pair(uint32_t z, uint32_t alpha2) {
-  return ((z << (15 - P)) & 0x80008000u) ^ alpha2;
+// ±α for the two columns at bits 15 − sh and 31 − sh of z (1 = +α), as a bf16 pair, from neg_alpha2
+// (−α in both halves): a shift and a LOP3.
+__device__ __forceinline__ uint32_t delta_pair(uint32_t z, int sh, uint32_t neg_alpha2) {
+  return ((z << sh) & 0x80008000u) ^ neg_alpha2;
 }
 
 __device__ __forceinline__ uint32_t bf16x2_add(uint32_t a, uint32_t b) {
@@ -298,15 +298,23 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(T::kRegs));
     const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int rw = 64 * wg + 16 * warp;  // this warp's first row in the tile
-    // The piece in hand: its tile's first output row and x row, its first stage, and the ring's
-    // running stage at its start. α of rows g and g + 8 as bf16 pairs (both halves); flipping the
-    // sign bits gives −α.
-    int n0 = 0, m0 = 0, kb = 0, ring = 0, parity = 0;
+    // The piece in hand: its tile's first output row and x row, and its first stage. −α of rows g
+    // and g + 8 as bf16 pairs (both halves); flipping the sign where a sign bit is 1 gives +α.
+    int n0 = 0, m0 = 0, kb = 0, parity = 0;
+    // The ring, kept as running values rather than recomputed from the running stage (a division
+    // by S and its remainder per stage): the next stage's slot and phase, and the next slot to
+    // release.
+    int slot = 0, phase = 0, rslot = 0;
     uint32_t alpha2[2];
+    const int sh0 = 15 - 2 * t;  // delta_pair's shift of this lane's first pair (bits 2t, 16 + 2t)
     // ldmatrix.x4 source of this lane: matrix q = lane / 8 (rows +8·(q&1), columns +8·(q>>1)), row
     // lane % 8.
     const int lrow = rw + ((lane >> 3) & 1) * 8 + (lane & 7), lcol = lane >> 4;
-    const uint32_t s_smem = smem_addr(s_tiles) + ((rw >> 4) * 8 + g) * 32;
+    uint32_t loff[4];  // of 16-column chunk j of the stage, in the 128-byte swizzle
+#pragma unroll
+    for (int j = 0; j < 4; ++j) loff[j] = lrow * 128 + (((2 * j + lcol) ^ (lrow & 7)) << 4);
+    const uint32_t w_smem = smem_addr(w_tiles), s_smem = smem_addr(s_tiles) + ((rw >> 4) * 8 + g) * 32;
+    const uint64_t desc0 = sw128_desc(smem_addr(x_tiles));  // + (slot · kXBytes) / 16 per slot
 
     float acc[T::BN / 2];  // written first by each piece's stage 0 wgmma (scale-d = 0)
     uint32_t afrag[T::kSets][4][4];
@@ -322,31 +330,31 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // the slot of the stage before those. Branch-free: ptxas serializes the wgmma of a loop with
     // branches in it.
     const auto stage = [&]<int P, bool First, bool Release>(int j) {
-      const int gs = ring + j, slot = gs % S, s = (((kb + j) * kFusedBK) & 255) >> 6;
-      mbar_wait(full0 + 8 * slot, (gs / S) & 1);
-      const uint8_t* wt = w_tiles + slot * T::kWBytes;
+      const int s = (kb + j) & 3;  // the stage's 64 columns within its 256-column sign block
+      mbar_wait(full0 + 8 * slot, phase);
+      const uint32_t wt = w_smem + slot * T::kWBytes;  // block-uniform: the lane's part is in loff
       // Words (t', i): i = 2(s>>1) for row g, +1 for row g + 8; t' even for columns 0..31 of the
-      // stage, odd for 32..63. Inverted (1 = −α) and shifted so that column 2t of each 16 is at bit
-      // 0 (rows: x, y for t' even, z, w for t' odd).
-      [[maybe_unused]] const uint32_t sp = s_smem + slot * T::kSignBytes + 8 * (s >> 1);
+      // stage, odd for 32..63; bit c is column c (rows: x, y for t' even, z, w for t' odd).
+      [[maybe_unused]] const uint32_t sp = s_smem + (slot * T::kSignBytes + 8 * (s >> 1));
       uint2 e{}, o{};
       if constexpr (Delta) {
         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e.x), "=r"(e.y) : "r"(sp));
         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(o.x), "=r"(o.y) : "r"(sp + 16));
       }
-      const uint32_t nw[4] = {~e.x >> (2 * t), ~e.y >> (2 * t), ~o.x >> (2 * t), ~o.y >> (2 * t)};
-      // Per word, the pairs' bits (0,1), (8,9), (16,17), (24,25) rearranged as (0,16), (8,24) for
-      // columns 0..15 (zl) and 16..31 (zh) of the word: one shift and mask per pair.
+      const uint32_t w4[4] = {e.x, e.y, o.x, o.y};
+      // Per word, columns 0..15 (zl) and 16..31 (zh) with each column's right neighbour 16 bits
+      // above it: the word's low (high) two bytes, then those of the word shifted right by one. A
+      // lane's pair (2t, 2t + 1) is then at bits 2t and 16 + 2t, (2t + 8, 2t + 9) at 8 + 2t and
+      // 24 + 2t: delta_pair shifts them to 15 and 31 (one shift and two byte permutes per word).
       uint32_t zl[4], zh[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const uint32_t u = nw[i] & 0x01010101u, v = (nw[i] >> 1) & 0x01010101u;
-        zl[i] = (u & 0xFFFFu) | (v << 16);
-        zh[i] = (u >> 16) | (v & 0xFFFF0000u);
+        zl[i] = __byte_perm(w4[i], w4[i] >> 1, 0x5410);
+        zh[i] = __byte_perm(w4[i], w4[i] >> 1, 0x7632);
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t addr = smem_addr(wt + lrow * 128 + (((2 * j + lcol) ^ (lrow & 7)) << 4));
+        const uint32_t addr = wt + loff[j];
         uint32_t r0, r1, r2, r3;
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -357,15 +365,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         [[maybe_unused]] const uint32_t z8 =
             (j & 1) ? zh[(j >> 1) * 2 + 1] : zl[(j >> 1) * 2 + 1];  // row g + 8
         if constexpr (Delta) {
-          afrag[P][j][0] = bf16x2_add(r0, delta_pair<0>(z0, alpha2[0]));
-          afrag[P][j][1] = bf16x2_add(r1, delta_pair<0>(z8, alpha2[1]));
-          afrag[P][j][2] = bf16x2_add(r2, delta_pair<8>(z0, alpha2[0]));
-          afrag[P][j][3] = bf16x2_add(r3, delta_pair<8>(z8, alpha2[1]));
+          afrag[P][j][0] = bf16x2_add(r0, delta_pair(z0, sh0, alpha2[0]));
+          afrag[P][j][1] = bf16x2_add(r1, delta_pair(z8, sh0, alpha2[1]));
+          afrag[P][j][2] = bf16x2_add(r2, delta_pair(z0, sh0 - 8, alpha2[0]));
+          afrag[P][j][3] = bf16x2_add(r3, delta_pair(z8, sh0 - 8, alpha2[1]));
         } else {
           afrag[P][j][0] = r0, afrag[P][j][1] = r1, afrag[P][j][2] = r2, afrag[P][j][3] = r3;
         }
       }
-      const uint64_t desc = sw128_desc(smem_addr(x_tiles + slot * T::kXBytes));
+      const uint64_t desc = desc0 + uint64_t(slot * (T::kXBytes >> 4));
       uint64_t descs[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) descs[j] = desc + 2 * j;  // +32 B per 16 columns
@@ -382,7 +390,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       for (int j = 1; j < 4; ++j) wgmma_m64k16<T::BN, true>(acc, afrag[P][j], descs[j]);
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(T::kSets - 1) : "memory");
-      if constexpr (Release) mbar_arrive(empty0 + 8 * ((gs - (T::kSets - 1)) % S));
+      if constexpr (Release) {
+        mbar_arrive(empty0 + 8 * rslot);
+        rslot = rslot + 1 == S ? 0 : rslot + 1;
+      }
+      phase ^= slot + 1 == S ? 1 : 0;
+      slot = slot + 1 == S ? 0 : slot + 1;
     };
     // Stage j of a piece releases the slot of stage j − (kSets − 1), whose wgmma the wait retired;
     // the first kSets − 1 stages release none, and the piece's last ones are released after it. The
@@ -394,9 +407,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         const int n = min(n0 + rw + g + 8 * h, N - 1);
         const __nv_bfloat16 a = __float2bfloat16_rn(Delta ? alpha[per_row ? n : 0] : 0.0f);
         const uint16_t bits = *reinterpret_cast<const uint16_t*>(&a);
-        alpha2[h] = uint32_t(bits) | (uint32_t(bits) << 16);
+        alpha2[h] = (uint32_t(bits) | (uint32_t(bits) << 16)) ^ 0x80008000u;
       }
       const int n = k1 - k0;
+      rslot = slot;          // the piece's stage 0 is the first its stages release
       fence_accumulators();  // the last piece's reads of acc stay before this piece's wgmma
       if constexpr (T::kSets == 3) {
         stage.template operator()<0, true, false>(0);
@@ -420,8 +434,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       }
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       fence_accumulators();  // no read of acc moves above the wait
-      for (int j = max(0, n - (T::kSets - 1)); j < n; ++j) mbar_arrive(empty0 + 8 * ((ring + j) % S));
-      ring += n;
+      for (int j = max(0, n - (T::kSets - 1)); j < n; ++j) {
+        mbar_arrive(empty0 + 8 * rslot);
+        rslot = rslot + 1 == S ? 0 : rslot + 1;
+      }
 
       if (k0 > 0 || k1 < sched.KT) {
         // A shared tile: its pieces' sums are added in piece order, the same sums on every run. The
