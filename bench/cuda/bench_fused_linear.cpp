@@ -5,7 +5,8 @@
 //   (b) 16 rows from 16 distinct variants vs the byte roofline (2NK + 16·NK/8 bytes ÷ copy
 //   bandwidth) (c) 512 rows, 1 variant: prefill methods vs cuBLAS base-only GEMM
 // Modes: (none) all cases at the five shapes; --prefill [N K ...] case (c) only, at those shapes or
-// the five; --one-row [N K ...] case (a) only (alone, alternating, in chains of 20); --few-rows
+// the five; --one-row [N K ...] case (a) only (alone, alternating, in chains of 20); --many-variants
+// [N K ...] cases (b), d and e only (rows of several variants); --few-rows
 // [N K ...] case c' (8–48 rows of one variant) only; --quick the first shape; --profile [N K],
 // --profile-prefill [N K [rows]] few reps (for ncu);
 // --tile-read [N K ...] the streaming kernel's TMA ring alone in several stage geometries (tile_read.h).
@@ -100,7 +101,7 @@ constexpr auto kRegisters = bcuda::DecodeKernel::kRegisters, kStream = bcuda::De
 
 void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
                  bool profile_only = false, bool prefill_only = false, int prefill_rows = 512,
-                 bool few_rows_only = false, bool one_row_only = false) {
+                 bool few_rows_only = false, bool one_row_only = false, bool many_only = false) {
   // Signs: random bits in the packed device layout (for random bits the layout changes nothing).
   const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
   const int nsets = int(std::max<size_t>(2, (240u << 20) / wbytes + 1));  // > 4× L2 per rotation
@@ -143,7 +144,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   };
 
   // (a) one row, one variant.
-  if (!prefill_only) {
+  if (!prefill_only && !many_only) {
     const double t_cublas = time_us([&](int s) { cublas_rows(1, s); }, reps);
     add({shape, "a: 1 row base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
     {  // The floor at this size: one launch that only reads W (and, with a delta, its signs).
@@ -397,7 +398,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
              bytes_e, bytes_e / copy_bw * 1e6, "x roofline"});
       }
     }
-    if (profile_only) return;
+    if (profile_only || many_only) return;
   }
   // (c) 512 rows (or prefill_rows), one variant.
   using M = bcuda::PrefillMethod;
@@ -593,7 +594,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "--quick") shapes.resize(1);
-    if (mode == "--one-row" && argc > 3) {  // --one-row [N K ...]: case (a) only (all five shapes without)
+    if ((mode == "--one-row" || mode == "--many-variants") && argc > 3) {  // [N K ...]: those shapes
       shapes.clear();
       for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
     }
@@ -607,7 +608,7 @@ int main(int argc, char** argv) {
     }
     for (auto [N, K] : shapes)
       bench_shape(rnd, prefill, N, K, false, mode == "--prefill" || mode == "--few-rows", 512, mode == "--few-rows",
-                  mode == "--one-row");
+                  mode == "--one-row", mode == "--many-variants");
     std::printf(
         "\ncolumns: time = median µs; MB = bytes the op must move; GB/s = MB/time; roof/t = (bytes "
         "/ copy "

@@ -187,7 +187,9 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     // One warpgroup's work; kBase: warpgroup 0 (each form without a branch around its wgmma).
     const auto consume = [&]<bool kBase>() {
       constexpr int D0 = kBase ? 0 : H, DN = kBase ? H : ND - H;  // its delta rows [D0, D0 + DN)
-      int it = 0;
+      // The ring's next stage: its slot and phase, running values (S is a parameter: a division per
+      // stage otherwise).
+      int slot = 0, phase = 0;
       for_units([&](int u) {
         int n0, kb0, nst;
         unit_range(u, n0, kb0, nst);
@@ -208,8 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         // Stage: W·xᵀ on wgmma (16 steps of k16), the delta rows' 1-bit mma from the same stage while
         // they run, then the slot goes back to the producer.
         const auto stage = [&]<bool First>() {
-          const int slot = it % S;
-          mbar_wait(full0 + 8 * slot, (it / S) & 1);
+          mbar_wait(full0 + 8 * slot, phase);
           const uint8_t* st = smem + slot * p.stage_bytes;
           if constexpr (kBase) {
             const uint64_t dw = sw128_desc(smem_addr(st)), dx = sw128_desc(smem_addr(st + kWStage));
@@ -242,7 +243,8 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
           }
           if constexpr (kBase) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
           mbar_arrive(empty0 + 8 * slot);
-          ++it;
+          phase ^= slot + 1 == S ? 1 : 0;
+          slot = slot + 1 == S ? 0 : slot + 1;
         };
         stage.template operator()<true>();
         for (int i = 1; i < nst; ++i) stage.template operator()<false>();
