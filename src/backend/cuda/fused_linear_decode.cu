@@ -400,12 +400,11 @@ void launch_slots(DecodeParams& p, bool grouped, cudaStream_t stream) {
 // tiles per block where that loads the busiest multiprocessor at most 5% above the average, else
 // equal ranges of units (a tile cut between two blocks). The 8 warps of a block take the range's
 // units in turn, two at a time. Each warp sums its units per tile; the warps' sums meet in shared
-// memory. A range holds at least KB units, so a tile is cut between at most two blocks: the first
-// of them does its units of that tile first and writes its warps' sums to memory (an early part);
-// the second does its own units of the tile last and adds those parts after its own, in warp order
-// (the same result on every run), usually long after they were written. A block so waits only on
-// the block before it, which the GPU started no later (also while the previous kernel of a
-// programmatic-dependent chain still holds multiprocessors).
+// memory. A range holds at least KB units, so a tile is cut between at most two blocks. Each of the
+// two sums its warps' parts of the tile's rows, and the two sums meet in memory at the blocks' ends:
+// one atomic exchange per row and block, the second block to arrive adding the two (the same float
+// whichever block that is). No block waits for another. (Until part 16 the first block counted its
+// warps' parts with a release and the second waited for the count: about 1.3 µs at 11008 × 4096.)
 // With a delta, each block first quantizes x into its shared memory (quantize_row_shared), after the
 // wait for the kernel that wrote x: no quantizing launch before it. In a chain of launches that
 // launch cost 1.4–3.3 µs per linear layer, against 0.4–1.6 µs timed alone (NOTES.md, part 15).
@@ -421,9 +420,9 @@ struct RowParams {
   int alpha_per_row;
   int N, K, KB, aligned;
   int units, blocks;
-  int whole;          // ranges of whole tiles (no tile cut)
-  float* parts;       // per tile cut between blocks: kWarps warps × 16 rows
-  unsigned* arrived;  // per tile: the early parts counted (stream_scratch.cuh), back at zero after
+  int whole;  // ranges of whole tiles (no tile cut)
+  // Per row of W: where the two blocks of a cut tile meet (zero between launches; see the kernel).
+  unsigned long long* meet;
 };
 
 template <bool kDelta>
@@ -442,9 +441,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   const int u1 = int(int64_t(items) * (blockIdx.x + 1) / p.blocks) * per;
   const int T0 = u0 / KB, T1 = (u1 - 1) / KB, ntiles = T1 - T0 + 1;
   const bool head_cut = u0 % KB != 0, tail_cut = u1 % KB != 0;
-  // The order of the range: the tail tile's units (an early part, when the next block finishes that
-  // tile), the whole tiles, the head tile's units (finished here, when the block before has its
-  // first units). So a block waits only on the block before it, which started no later.
+  // The order of the range: the tail tile's units (cut, when the next block has the rest of that
+  // tile), the whole tiles, the head tile's units (cut, when the block before has the rest).
   const int tail_len = tail_cut ? u1 - T1 * KB : 0, head_len = head_cut ? (T0 + 1) * KB - u0 : 0;
   const int mid0 = u0 + head_len, mid_len = u1 - tail_len - mid0;
   const auto unit_at = [&](int q) {
@@ -496,16 +494,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     quantize_row_shared(p.x, K, p.aligned, xs, prefetch_first);
     __syncthreads();
   }
-  // An early part is counted (release: its writes before the count) once the warp's next loads of
-  // W are on their way: a release waits for the part's writes to land, and there the warp would
-  // wait for its loads anyway. Only the warps with units in the tile write parts: the first
-  // ceil(len / c) of a block, len its units of the tile (the reader counts the same).
-  bool pending = false;
-  const auto release_part = [&]() {
-    __syncwarp();
-    if (lane == 0) part_written(p.arrived + T1);
-    pending = false;
-  };
   // The warp's sums for `tile`: rows gid and gid + 8 of it in the lanes with t = 0.
   const auto finish = [&](int tile) {
     float v[2];
@@ -519,29 +507,13 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
         v[h] += al[h] * (2.0f * d - sq);
       }
     }
-    if (tile == T1 && tail_cut) {  // an early part of a tile that the next block finishes
-      float* part = p.parts + (size_t(tile) * kWarps + warp) * 16;
-      if (t == 0) part[gid] = v[0], part[gid + 8] = v[1];
-      pending = true;
-    } else if (t == 0) {
+    if (t == 0) {
       float* s = ysum + ((tile - T0) * kWarps + warp) * 16;
       s[gid] = v[0], s[gid + 8] = v[1];
     }
 #pragma unroll
     for (int h = 0; h < 4; ++h) acc[0][h] = 0.0f;
     dacc[0] = dacc[1] = sq = 0.0f;
-  };
-  // The head tile's early parts from the block before, one per warp there that had units in it,
-  // each added by the warp of the same index here (pv: row `lane`); read during the warp's last unit
-  // if that is in the head tile (while its loads of W are in flight), else after its loop.
-  float pv = 0.0f;
-  const int early = head_cut ? min(kWarps, (u0 - T0 * KB + c - 1) / c) : 0;
-  bool fetched = warp >= early;  // this warp adds part `warp` of the block before, if there is one
-  const auto fetch_part = [&]() {
-    if (lane == 0) wait_count(p.arrived + T0, unsigned(early));  // (the block resets it at its end)
-    __syncwarp();
-    if (lane < 16) pv = __ldcg(p.parts + (size_t(T0) * kWarps + warp) * 16 + lane);
-    fetched = true;
   };
   while (q < L) {
     const int adv = i + 1 == c ? kWarps * c - c + 1 : 1;
@@ -562,8 +534,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
       xbf = *reinterpret_cast<const uint4*>(blk + 16 * lane);
       sc = *reinterpret_cast<const float2*>(blk + 512);
     }
-    if (pending) release_part();
-    if (!fetched && T == T0 && q + adv >= L) fetch_part();
     mma_base<1, kU>(k0, K, we, wf, xe, xf, acc);
 #pragma unroll 1
     for (int h = 1; h < kDBlock / kKBlock / kU; ++h) {
@@ -582,19 +552,23 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     }
   }
   if (cur >= 0) finish(cur);
-  if (pending) release_part();
-  if (head_cut) {
-    if (!fetched) fetch_part();
-    __syncwarp();
-    if (lane < 16) ysum[warp * 16 + lane] += pv;
-  }
   __syncthreads();
-  if (head_cut && threadIdx.x == 0) p.arrived[T0] = 0;  // every warp has seen the count: back to zero
+  // Sum the warps per row; a cut tile's row has a second sum in the other block of that tile. The two
+  // meet in p.meet[n]: each block swaps its sum in (as 2^32 | bits, so that zero means empty); the
+  // block that finds the other's there writes y = own + other, the same float on either side
+  // (addition is commutative), and empties the word for the next launch. No fence and no wait:
+  // one atomic per row, at the end.
   for (int e = threadIdx.x; e < ntiles * 16; e += blockDim.x) {
     const int s = e >> 4, r = e & 15, n = (T0 + s) * 16 + r;
-    if ((s == ntiles - 1 && tail_cut) || n >= N) continue;
+    if (n >= N) continue;
     float v = 0.0f;
     for (int w = 0; w < kWarps; ++w) v += ysum[(s * kWarps + w) * 16 + r];
+    if ((s == ntiles - 1 && tail_cut) || (s == 0 && head_cut)) {
+      const unsigned long long other = atomicExch(p.meet + n, (1ull << 32) | __float_as_uint(v));
+      if (other == 0) continue;  // the other block writes y
+      p.meet[n] = 0;
+      v += __uint_as_float(unsigned(other));
+    }
     p.y[n] = v;
   }
 }
@@ -661,11 +635,9 @@ void launch_row(const RowPlan& plan, const __nv_bfloat16* w, int N, int K, const
     r.alpha = d->alpha;
     r.alpha_per_row = d->alpha_per_row ? 1 : 0;
   }
-  if (!plan.whole && plan.blocks < tiles) {  // some tiles are cut between blocks
-    r.parts = static_cast<float*>(
-        stream_scratch(ScratchUse::kDecodeParts, stream, size_t(tiles) * kWarps * 16 * sizeof(float)));
-    r.arrived = static_cast<unsigned*>(stream_scratch(ScratchUse::kDecodeCounters, stream, size_t(tiles) * 4, true));
-  }
+  if (!plan.whole && plan.blocks < tiles)  // some tiles are cut between blocks
+    r.meet = static_cast<unsigned long long*>(
+        stream_scratch(ScratchUse::kDecodeMeet, stream, size_t(tiles) * 16 * sizeof(unsigned long long), true));
   const dim3 grid{unsigned(plan.blocks)}, block{kWarps * 32};
   if (plan.smem > (48u << 10)) {  // large K only
     if (d)

@@ -10,8 +10,7 @@ namespace bitdelta::cuda {
 
 enum class ScratchUse {
   kQuantizedX,          // fused_linear_decode: x's rows quantized for the delta term
-  kDecodeParts,         // the balanced one-row decode kernel: early parts of cut tiles
-  kDecodeCounters,      // ... and their arrival counters
+  kDecodeMeet,          // the balanced one-row decode kernel: where the two sums of a cut tile's row meet
   kStreamParts,         // the streaming decode kernel: split tiles' partial sums
   kStreamCounters,      // ... and their arrival counters
   kAttentionParts,      // attention over positions split over blocks: the parts
