@@ -55,8 +55,7 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned parts
 // part_written (release: the block's writes before the count); for the final part one thread waits
 // in wait_parts until the count reaches `early` (acquire) and resets it, then a barrier, after which
 // the block reads the parts (through L2: __ldcg). No block waits on memory unless it must.
-// wait_count is the wait alone, for a merge where several warps wait on one count (its reset then
-// comes after a barrier over them).
+// wait_count is the wait alone (the one-row decode kernel used it until part 16; only wait_parts now).
 __device__ __forceinline__ void part_written(unsigned* counter) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(counter) : "memory");
 }
