@@ -55,17 +55,13 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned parts
 // part_written (release: the block's writes before the count); for the final part one thread waits
 // in wait_parts until the count reaches `early` (acquire) and resets it, then a barrier, after which
 // the block reads the parts (through L2: __ldcg). No block waits on memory unless it must.
-// wait_count is the wait alone (the one-row decode kernel used it until part 16; only wait_parts now).
 __device__ __forceinline__ void part_written(unsigned* counter) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(counter) : "memory");
 }
-__device__ __forceinline__ void wait_count(const unsigned* counter, unsigned early) {
+__device__ __forceinline__ void wait_parts(unsigned* counter, unsigned early) {
   unsigned n = 0;
   do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(n) : "l"(counter) : "memory");
   while (n < early);
-}
-__device__ __forceinline__ void wait_parts(unsigned* counter, unsigned early) {
-  wait_count(counter, early);
   *counter = 0;
 }
 #endif
