@@ -179,15 +179,35 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       expect("decode balanced  " + tag, dy.to_host(), ref, decode_bound);
     }
     // The streaming kernel (sm_90a; where it does not run, or K is not a multiple of 8, the same calls
-    // take the register kernel): every cluster split, and a two-stage ring.
+    // take the register kernel): its own grid, and grids of 1, 2, 3 and 7 blocks (ranges of units
+    // that cut tiles anywhere) and of two blocks per tile; a two-stage ring below.
     using DK = bcuda::DecodeKernel;
     const bool streams = bcuda::stream_kernel_supports(wb, K, xb);
-    for (int ks : {0, 1, 2, 3, 8}) {
-      if (!streams && ks != 0) continue;
+    const int tiles64 = (N + 63) / 64;
+    for (int blocks : {0, 1, 2, 3, 7, 2 * tiles64}) {
+      if (!streams && blocks != 0) continue;
+      if (blocks > tiles64 && blocks != 2 * tiles64) continue;
       poison(dy.ptr, dy.n);
-      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {ks, 0, DK::kStream});
+      bcuda::DecodeOptions o{0, 0, DK::kStream};
+      o.blocks = blocks;
+      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
-      expect("stream ks=" + std::to_string(ks) + "      " + tag, dy.to_host(), ref, decode_bound);
+      expect("stream blocks=" + std::to_string(blocks) + " " + tag, dy.to_host(), ref, decode_bound);
+    }
+    if (streams && tiles64 > 1) {  // more blocks than tiles, not twice them: refused, naming the numbers
+      bcuda::DecodeOptions o{0, 0, DK::kStream};
+      o.blocks = tiles64 + 1;
+      std::string message;
+      try {
+        bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
+      } catch (const std::exception& e) {
+        message = e.what();
+      }
+      const std::string want = std::to_string(tiles64 + 1) + " blocks for " + std::to_string(tiles64) + " tiles";
+      const bool ok = message.find(want) != std::string::npos;
+      ++checks;
+      if (!ok) ++failures;
+      std::printf("%s stream blocks=%d refused: \"%s\"\n", ok ? "ok  " : "FAIL", tiles64 + 1, message.c_str());
     }
     {  // x quantized before the call (DecodeOptions::xq), both kernels
       DeviceBuffer<uint8_t> dq(bcuda::quantized_x_bytes(rows, K));
@@ -353,8 +373,8 @@ int main() {
                    per_row);  // variants in both groups
         check_case(rng, s.N, s.K, std::vector<int>(9, 0), 1, per_row);
       }
-    // More 64-row tiles than an H200 has multiprocessors (132): the streaming kernel's whole tiles
-    // and, after them, the leftover tiles split along K.
+    // More 64-row tiles than an H200 has multiprocessors (136 for 132): the streaming kernel's ranges
+    // of units, a tile cut between two blocks at most block boundaries.
     {
       std::vector<int> rows16(16);
       for (int r = 0; r < 16; ++r) rows16[r] = r % 5 == 4 ? -1 : r % 7;

@@ -240,17 +240,15 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       const double tq = time_us([&](int) { bcuda::quantize_x(X, 1, K, q, nullptr); }, reps);
       add({shape, "a: quantize x", "quantize_x alone (1 row)", tq, K * 2.0 + double(bcuda::quantized_x_bytes(1, K)), 0, ""});
     }
-    if (stream_runs)
-      for (int ks : {0}) {
-        const double t = time_us(
-            [&](int s) {
-              const DeltaRef d = delta(s, 0);
-              bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {ks, 0, kStream});
-            },
-            reps);
-        add({shape, "a: 1 row 1 variant", ks ? "stream ks=" + std::to_string(ks) : "stream (ks chosen)", t,
-             bytes, t_cublas, "x cuBLAS"});
-      }
+    if (stream_runs) {
+      const double t = time_us(
+          [&](int s) {
+            const DeltaRef d = delta(s, 0);
+            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {0, 0, kStream});
+          },
+          reps);
+      add({shape, "a: 1 row 1 variant", "stream", t, bytes, t_cublas, "x cuBLAS"});
+    }
     const DeltaRef none{};
     for (auto kernel : {kBalanced, kRegisters, kStream}) {
       if (kernel == kStream && !stream_runs) continue;
@@ -283,16 +281,14 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     }
     const double t_cublas = time_us([&](int s) { cublas_rows(16, s); }, reps);
     add({shape, "b: 16 rows base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
-    // The stream kernel also with a fixed split of K (ks 1), and with a ring of one stage (how much
-    // the ring's depth matters).
+    // The stream kernel also with a ring of one stage (how much the ring's depth matters).
     struct Form {
       bcuda::DecodeKernel kernel;
-      int ks, stages;
+      int stages;
     };
-    const Form forms[] = {{kRegisters, 0, 0}, {kStream, 0, 0}, {kStream, 1, 0}, {kStream, 0, 1}};
+    const Form forms[] = {{kRegisters, 0}, {kStream, 0}, {kStream, 1}};
     const auto form_name = [](const Form& f) {
       return f.kernel == kRegisters ? std::string("registers")
-             : f.ks                 ? "stream ks=" + std::to_string(f.ks)
              : f.stages             ? "stream stages=" + std::to_string(f.stages)
                                     : std::string("stream");
     };
@@ -306,13 +302,13 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       add({shape, "b: 16 rows base", "stream kernel, no delta", t, double(wbytes), t_cublas, "x cuBLAS 16 rows"});
     }
     for (const Form& f : forms) {
-      const auto [kernel, ks, stages] = f;
+      const auto [kernel, stages] = f;
       if (kernel == kStream && !stream_runs) continue;
       const double t = time_us(
           [&](int s) {
             DeltaRef d[kVariants];
             for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v);
-            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {ks, 0, kernel, stages});
+            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {0, 0, kernel, stages});
           },
           reps);
       add({shape, "b: 16 rows 16 variants", form_name(f), t, bytes, roof, "x roofline"});
@@ -348,13 +344,13 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     for (int nv : {1, 8}) {
       const double bytes1 = double(wbytes) + nv * (double(sbytes) + N * 4.0);
       for (const Form& f : forms) {
-        const auto [kernel, ks, stages] = f;
+        const auto [kernel, stages] = f;
         if (kernel == kStream && !stream_runs) continue;
         const double t = time_us(
             [&](int s) {
               DeltaRef d[kVariants];
               for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v * nv / kVariants);
-              bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {ks, 0, kernel, stages});
+              bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {0, 0, kernel, stages});
             },
             reps);
         add({shape, nv == 1 ? "b: 16 rows 1 variant" : "b: 16 rows 8 variants x 2", form_name(f), t,

@@ -757,10 +757,7 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
                                y + size_t(kMaxRows) * N, stream, each);
   }
   int k_split = options.k_split;
-  if (streaming) {
-    if (k_split < 0 || k_split > kMaxStreamSplit)
-      fail("cuda::fused_linear_decode: k_split ", k_split, " (0 to ", kMaxStreamSplit, ")");
-  } else {
+  if (!streaming) {
     if (k_split == 0) k_split = decode_default_k_split(N, rows);
     if (k_split != 1 && k_split != 2 && k_split != 4 && k_split != 8)
       fail("cuda::fused_linear_decode: k_split ", k_split, " (1, 2, 4 or 8)");
@@ -823,7 +820,7 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     StreamArgs a{};
     a.w = w, a.N = N, a.K = K, a.x = x, a.rows = rows, a.deltas = deltas.data();
     a.xq = p.nslots ? p.xq : nullptr;
-    a.y = y, a.k_split = k_split, a.stages = options.stages;
+    a.y = y, a.blocks = options.blocks, a.stages = options.stages;
     return fused_linear_stream(a, stream);
   }
   if (rows <= 8)

@@ -54,8 +54,8 @@ enum class DecodeKernel { kAuto, kRegisters, kStream, kBalanced };
 constexpr int kMaxDecodeRows = 32;  // rows of x per call
 
 struct DecodeOptions {
-  // kRegisters: warps that share one 16-row tile along K (1, 2, 4 or 8); kStream: parts of K per
-  // 64-row tile, summed through memory (1..8). 0 = choose.
+  // kRegisters: warps that share one 16-row tile along K (1, 2, 4 or 8); 0 = choose. (Not used by
+  // the other kernels.)
   int k_split = 0;
   // kRegisters' slots: 0 = choose; 1 = one per row of x; 4 = one per variant and group of 4 rows
   // (when at most 8).
@@ -66,6 +66,10 @@ struct DecodeOptions {
   // the kernel quantizes it. (Ignored where the register kernel takes more than 16 rows in two
   // launches, and by kBalanced, which quantizes its one row of x in each block's shared memory.)
   const uint8_t* xq = nullptr;
+  // kStream: its grid's blocks on equal ranges of (64-row tile, 256-column block) units, at most the
+  // tiles or twice them (a tile is cut between at most two blocks); 0 = choose (tests and benchmarks
+  // set it).
+  int blocks = 0;
 };
 
 // w: [N, K] bf16 row-major; x: [rows, K] bf16; y: [rows, N] f32; all device pointers. deltas[r]

@@ -35,15 +35,16 @@ struct StreamParams {
   CUtensorMap signs[kMaxStreamVariants];  // per distinct variant
   const uint8_t* xq;
   float* y;
-  float* parts;        // split tiles: [split tile][part][BN][64] partial sums
-  unsigned* arrived;   // split tiles: early parts written (the final part resets it)
+  // Where the two sums of a tile cut between two blocks meet: one word per row of x and tile row,
+  // [tile][row][64], zero between launches (see the kernel).
+  unsigned long long* meet;
   const float* alpha[kMaxRows];  // per delta row
   int drow[kMaxRows];            // delta rows: row of x, and index into signs
   int dvar[kMaxRows];
   int alpha_per_row[kMaxRows];
-  // Units: `whole` tiles over all of K (units 0..whole−1, tiles 0..whole−1), then the other tiles in ks
-  // parts of K each (the split ones: ks − 1 early parts and a final one).
-  int N, KB, rows, nvar, nd, whole, ks, units, stages, stage_bytes, tx_bytes, xq_block;
+  // Units: (64-row tile, 256-column block), tiles·KB of them in tile order; block b takes the range
+  // [units·b / blocks, units·(b + 1) / blocks), in whole tiles when `whole`.
+  int N, KB, rows, nvar, nd, units, blocks, whole, stages, stage_bytes, tx_bytes, xq_block;
 };
 
 #ifdef BITDELTA_FUSED_WGMMA
@@ -74,14 +75,17 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[BN / 2], uint64_t da, uint64
 
 #endif
 
-// Persistent: block b takes units b, b + grid, ... (unit = a 64-row tile over all of K, or one of ks
-// parts of K for the tiles left over when the whole ones are spread evenly). A block takes its early
-// parts of split tiles first, its whole tiles next and final parts last: an early part writes its
-// sums and goes on, and by the time a final part needs them they are long written, so that no block
-// waits on memory in the middle of its stream, and the last one's tail is one read of the parts
-// (run 110: bench/cuda/NOTES.md). The producer's ring runs on across units, so a unit's first copies
-// fly while the last one's epilogue runs. W and the signs of the first stages are issued before the
-// wait for the kernel before (launch.cuh); x and its bit-planes after it.
+// Persistent: block b takes the range [units·b / blocks, units·(b + 1) / blocks) of the (64-row tile,
+// 256-column block) units in tile order (ranges of whole tiles where that is within 5% of even): a
+// piece of the tile where the range starts, whole tiles, a piece of the tile where it ends. A range
+// holds at least KB units, or exactly half a tile, so a tile is cut between at most two blocks. The
+// producer's ring runs on across pieces, so a piece's first copies fly while the last one's epilogue
+// runs. A piece's sums go to shared memory (two buffers, in turn), then to y: a whole tile's are
+// stored, a cut tile's meet the other block's by exchange, with no wait (write_piece). W and the
+// signs of the first stages are issued before the wait for the kernel before (launch.cuh); x and its
+// bit-planes after it.
+// (Until part 17 the tiles left over after whole ones were split in up to 8 parts that met through
+// memory in part order, early parts released with a count, final parts waiting for it: NOTES.md.)
 // BN: rows of x per tile (8, 16 or 32, the wgmma's N; rows past `rows` are zero-filled by the TMA).
 // ND: delta rows computed per stage (nd rounded up; the padding repeats delta row 0 and is dropped), a
 // constant so that the delta loop has no branches and its rows' 1-bit mma overlap.
@@ -94,30 +98,55 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int S = p.stages;
-  float* red = reinterpret_cast<float*>(smem + S * p.stage_bytes);  // [BN][64]: a unit's sums
-  const uint32_t full0 = smem_addr(red + kBM * BN), empty0 = full0 + 8 * S;
+  float* red0 = reinterpret_cast<float*>(smem + S * p.stage_bytes);  // [2][BN][64]: pieces' sums, in turn
+  const uint32_t full0 = smem_addr(red0 + 2 * kBM * BN), empty0 = full0 + 8 * S;
   const int sgn_off = kWStage + kXStage, xq_off = sgn_off + p.nvar * kSignTile;
-  const int tid = threadIdx.x, grid = int(gridDim.x);
-  // Unit u: rows n0.., blocks [kb0, kb0 + nst) of K. Its kind: an early part of a split tile (0), a
-  // whole tile (1), or the final part of a split tile (2), which adds the early ones (or the only part,
-  // when tiles are not split).
-  const auto kind_of = [&](int u) { return u < p.whole ? 1 : (u - p.whole) % p.ks < p.ks - 1 ? 0 : 2; };
-  // Calls f(u) for the block's units in order: early parts, whole tiles, final parts (so that no final
-  // part can wait on an early part that comes after it in some block); stops where f returns false.
-  const auto for_units = [&](auto&& f) {
-    for (int kind = 0; kind < 3; ++kind)
-      for (int u = int(blockIdx.x); u < p.units; u += grid)
-        if (kind_of(u) == kind && !f(u)) return;
+  const int tid = threadIdx.x;
+  const int per = p.whole ? p.KB : 1, items = p.units / per;
+  const int u0 = int(int64_t(items) * blockIdx.x / p.blocks) * per;
+  const int u1 = int(int64_t(items) * (blockIdx.x + 1) / p.blocks) * per;
+  // Calls f(T, kb0, nst) for the block's pieces in tile order: tile T, blocks [kb0, kb0 + nst) of K.
+  // Stops where f returns false. (The cut tiles first, whole tiles last, as the one-row kernel takes
+  // them, was 0.3–1.7% slower here: runs 169–170.)
+  const int T0 = u0 / p.KB, pieces = u1 > u0 ? (u1 - 1) / p.KB - T0 + 1 : 0;
+  const auto for_pieces = [&](auto&& f) {
+    for (int j = 0; j < pieces; ++j) {
+      const int T = T0 + j, from = max(u0, T * p.KB), to = min(u1, (T + 1) * p.KB);
+      if (!f(T, from - T * p.KB, to - from)) return;
+    }
   };
-  const auto unit_range = [&](int u, int& n0, int& kb0, int& nst) {
-    if (u < p.whole) {
-      n0 = u * kBM, kb0 = 0, nst = p.KB;
+  // A piece's sums red[row of x][tile row] to y. The two blocks of a cut tile each swap
+  // 2^32 | bits(sum) into its word of p.meet (zero means empty); the one that finds the other's sum
+  // there writes y = own + other, the same float whichever block it is (addition is commutative), and
+  // empties the word for the next launch (the launch boundary orders that store before the next
+  // launch's exchanges). Both swap every word of the piece's rows, past N too, so that all are
+  // emptied again. A thread's exchanges are issued together, so that their round trips overlap.
+  const auto write_piece = [&](const float* red, int T, bool cut) {
+    const int from = tid, step = kConsumers;
+    const int n0 = T * kBM, valid = min(kBM, p.N - n0), count = p.rows * kBM;
+    if (!cut) {
+      for (int e = from; e < count; e += step)
+        if ((e & (kBM - 1)) < valid) p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = red[e];
       return;
     }
-    const int part = (u - p.whole) % p.ks;
-    n0 = (p.whole + (u - p.whole) / p.ks) * kBM;
-    kb0 = p.KB * part / p.ks;
-    nst = p.KB * (part + 1) / p.ks - kb0;
+    unsigned long long* meet = p.meet + size_t(T) * count;
+    constexpr int kBatch = 4;  // exchanges in flight per thread
+    for (int e0 = from; e0 < count; e0 += kBatch * step) {
+      unsigned long long other[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int e = e0 + j * step;
+        other[j] = e < count ? atomicExch(meet + e, (1ull << 32) | __float_as_uint(red[e])) : 0ull;
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int e = e0 + j * step;
+        if (other[j] == 0) continue;  // the other block writes y
+        meet[e] = 0;
+        if ((e & (kBM - 1)) < valid)
+          p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = red[e] + __uint_as_float(unsigned(other[j]));
+      }
+    }
   };
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
@@ -149,11 +178,9 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
   // Calls f(it, n0, kb) for the block's ring stages it in [from, to).
   const auto for_stages = [&](int from, int to, auto&& f) {
     int it = 0;
-    for_units([&](int u) {
-      int n0, kb0, nst;
-      unit_range(u, n0, kb0, nst);
+    for_pieces([&](int T, int kb0, int nst) {
       for (int i = 0; i < nst && it < to; ++i, ++it)
-        if (it >= from) f(it, n0, kb0 + i);
+        if (it >= from) f(it, T * kBM, kb0 + i);
       return it < to;
     });
   };
@@ -190,15 +217,14 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
       // The ring's next stage: its slot and phase, running values (S is a parameter: a division per
       // stage otherwise).
       int slot = 0, phase = 0;
-      for_units([&](int u) {
-        int n0, kb0, nst;
-        unit_range(u, n0, kb0, nst);
+      for_pieces([&](int T, int, int nst) {
+        const int n0 = T * kBM;
         float acc[BN / 2];
         float dacc[DN > 0 ? DN : 1][2], sq[DN > 0 ? DN : 1];
 #pragma unroll
         for (int d = 0; d < (DN > 0 ? DN : 1); ++d) dacc[d][0] = dacc[d][1] = sq[d] = 0.0f;
-        // The unit's α (tile rows 16·wq + g + 8h), loaded now so that the stages hide the load's latency
-        // rather than the epilogue waiting on it.
+        // The piece's α (tile rows 16·wq + g + 8h), loaded now so that the stages hide the load's
+        // latency rather than the epilogue waiting on it.
         float al[DN > 0 ? DN : 1][2];
 #pragma unroll
         for (int d = 0; d < DN; ++d)
@@ -247,10 +273,14 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
           slot = slot + 1 == S ? 0 : slot + 1;
         };
         stage.template operator()<true>();
-        for (int i = 1; i < nst; ++i) stage.template operator()<false>();
+        for (int s = 1; s < nst; ++s) stage.template operator()<false>();
 
-        // The unit's sums in red[row of x][tile row]: the base (acc[4j + 2h + e]: tile row 16·wq + g +
+        // The piece's sums in red[row of x][tile row]: the base (acc[4j + 2h + e]: tile row 16·wq + g +
         // 8h, row of x 8j + 2t + e), then per delta row α·(2·Σ w_p·popc − Σ scale·Σq).
+        // Two buffers in turn (pieces are of consecutive tiles): piece i + 2 writes this one after every
+        // thread has passed piece i + 1's first barrier, so after its reads here; no barrier is needed
+        // after them.
+        float* red = red0 + ((T - T0) & 1) * (BN * kBM);
         if constexpr (kBase) {
 #pragma unroll
           for (int j = 0; j < BN / 8; ++j)
@@ -271,33 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
             if (t == 0 && dd < p.nd) red[p.drow[dd] * kBM + nl] += al[d][h] * (2.0f * v - sq[d]);
           }
         consumers_sync<kConsumers>();
-        const int valid = min(kBM, p.N - n0), kind = kind_of(u);
-        if (kind == 1 || p.ks == 1) {
-          for (int e = tid; e < p.rows * kBM; e += kConsumers)
-            if ((e & (kBM - 1)) < valid) p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = red[e];
-        } else {
-          // Parts of a split tile meet through memory (stream_scratch.cuh): each early part writes its
-          // sums and goes on; the final part waits for them and adds all in part order (the same result
-          // on every run).
-          const int split = (u - p.whole) / p.ks, early = p.ks - 1;
-          float* parts = p.parts + size_t(split) * early * (BN * kBM);
-          if (kind == 0) {
-            float* mine = parts + size_t((u - p.whole) % p.ks) * (BN * kBM);
-            for (int e = tid; e < p.rows * kBM; e += kConsumers) mine[e] = red[e];
-            consumers_sync<kConsumers>();
-            if (tid == 0) part_written(p.arrived + split);
-          } else {
-            if (tid == 0) wait_parts(p.arrived + split, unsigned(early));
-            consumers_sync<kConsumers>();
-            for (int e = tid; e < p.rows * kBM; e += kConsumers) {
-              if ((e & (kBM - 1)) >= valid) continue;
-              float v = 0.0f;
-              for (int q = 0; q < early; ++q) v += __ldcg(parts + size_t(q) * (BN * kBM) + e);
-              p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = v + red[e];
-            }
-          }
-        }
-        consumers_sync<kConsumers>();  // red is free for the next unit
+        write_piece(red, T, nst < p.KB);
         return true;
       });
     };
@@ -383,12 +387,28 @@ CUtensorMap tensor_map(MapKind kind, const void* ptr, int N, int K) {
   return map;
 }
 
-// The tiles left after the whole ones are spread evenly over the blocks (one per multiprocessor) are
-// split along K so that they fill one more round: parts = blocks ÷ leftover tiles, 1..8, each part at
-// least 2 blocks of K.
-int choose_split(int leftover, int KB, int sms) {
-  if (leftover == 0) return 1;
-  return std::max(1, std::min({kMaxStreamSplit, sms / leftover, std::max(1, KB / 2)}));
+// The grid: one block per multiprocessor, each taking an equal range of the tiles·KB units. Ranges of
+// whole tiles where that loads the busiest block at most 5% above the average (as the one-row kernel,
+// fused_linear_decode.cu); else ranges of units, which hold at least KB units when blocks ≤ tiles, so
+// that a tile is cut between at most two blocks. With fewer tiles than half the multiprocessors, two
+// blocks per tile, each half of its K; between half and all of them, a block per tile.
+// `blocks` > 0 (tests, benchmarks): that many ranges of units, at most the tiles or twice them.
+struct Grid {
+  int blocks, whole;
+};
+Grid choose_grid(int tiles, int KB, int sms, int blocks) {
+  if (blocks > 0) {
+    if (blocks > tiles && blocks != 2 * tiles)
+      fail("cuda::fused_linear_stream: ", blocks, " blocks for ", tiles, " tiles (at most the tiles, or twice them)");
+    return {blocks, 0};
+  }
+  if (tiles >= sms) {
+    const int tpb = (tiles + sms - 1) / sms;
+    if (int64_t(tpb) * sms * 100 <= int64_t(tiles) * 105) return {(tiles + tpb - 1) / tpb, 1};
+    return {sms, 0};
+  }
+  if (2 * tiles <= sms && KB >= 2) return {2 * tiles, 0};
+  return {tiles, 1};
 }
 
 }  // namespace
@@ -452,30 +472,22 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   p.xq_block = quantized_x_block(a.rows);
   p.tx_bytes = kWStage + 4 * BN * 128 + p.nvar * kSignTile + (p.nvar ? p.xq_block : 0);
   p.stage_bytes = (p.tx_bytes + 1023) / 1024 * 1024;
-  const int fixed = 1024 + kBM * BN * 4 + 16 * kMaxStages;  // alignment, red, the barriers
+  const int fixed = 1024 + 2 * kBM * BN * 4 + 16 * kMaxStages;  // alignment, red (two), the barriers
   p.stages = std::min(kMaxStages, (info.smem_optin - fixed) / p.stage_bytes);
   if (a.stages > 0) p.stages = std::min(p.stages, a.stages);
   if (p.stages < 1) fail("cuda::fused_linear_stream: a stage of ", p.stage_bytes, " bytes does not fit");
   const int tiles = (a.N + kBM - 1) / kBM;
-  if (a.k_split > 0) {  // every tile in k_split parts
-    p.whole = 0;
-    p.ks = std::min(a.k_split, p.KB);
-  } else {
-    p.whole = tiles / info.sms * info.sms;
-    p.ks = choose_split(tiles - p.whole, p.KB, info.sms);
-  }
-  p.units = p.whole + (tiles - p.whole) * p.ks;
-  if (p.ks > 1) {  // the split tiles' parts, and their counters (zero between launches)
-    const size_t split_tiles = size_t(tiles - p.whole);
-    p.parts = static_cast<float*>(
-        stream_scratch(ScratchUse::kStreamParts, stream, split_tiles * (p.ks - 1) * BN * kBM * sizeof(float)));
-    p.arrived = static_cast<unsigned*>(
-        stream_scratch(ScratchUse::kStreamCounters, stream, split_tiles * sizeof(unsigned), true));
-  }
-  const int smem = 1024 + p.stages * p.stage_bytes + kBM * BN * 4 + 16 * p.stages;
+  const Grid grid = choose_grid(tiles, p.KB, info.sms, a.blocks);
+  p.units = tiles * p.KB;
+  p.blocks = grid.blocks;
+  p.whole = grid.whole;
+  if (!grid.whole)  // where cut tiles' sums meet (zero between launches)
+    p.meet = static_cast<unsigned long long*>(stream_scratch(
+        ScratchUse::kStreamMeet, stream, size_t(tiles) * a.rows * kBM * sizeof(unsigned long long), true));
+  const int smem = 1024 + p.stages * p.stage_bytes + 2 * kBM * BN * 4 + 16 * p.stages;
 
-  launch_chained(kKernels[BN == 8 ? 0 : BN == 16 ? 1 : 2][nd_index(p.nd)], dim3(unsigned(std::min(p.units, info.sms))),
-                 dim3(kThreads), size_t(smem), stream, p);
+  launch_chained(kKernels[BN == 8 ? 0 : BN == 16 ? 1 : 2][nd_index(p.nd)], dim3(unsigned(p.blocks)), dim3(kThreads),
+                 size_t(smem), stream, p);
 }
 
 }  // namespace bitdelta::cuda

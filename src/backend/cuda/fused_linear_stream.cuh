@@ -3,16 +3,15 @@
 //
 //   y[r] = x[r]·Wᵀ + α_v(r) ⊙ (x[r]·S_v(r)ᵀ)
 //
-// Persistent thread blocks (one per multiprocessor) take 64-row tiles of the output over all of K;
-// the tiles that would leave blocks idle in a last round are split along K instead, their parts
-// summed through memory in a fixed order. One
-// producer thread streams, per block, W's 64 × 256 tile, x's rows and each distinct variant's 64 ×
-// 256 sign bits (2 KB, the packed layout of packed_signs.h) with the tensor memory accelerator into a
-// ring of shared-memory stages, and, once the launch that quantizes x has finished, x's bit-planes.
-// Two consumer warpgroups: the first computes W·xᵀ with wgmma (both operands in shared memory: no
-// instruction touches W's bytes); both share the rows' delta terms on the 1-bit mma
-// (fused_linear_decode.cuh). The
-// bytes still decide it: W once per launch, each variant's bits once.
+// Persistent thread blocks (one per multiprocessor) take equal ranges of (64-row tile, 256-column
+// block) units: whole tiles, and where that is uneven, a tile cut between two blocks whose sums meet
+// in memory by exchange. One producer thread streams, per block, W's 64 × 256 tile, x's rows and
+// each distinct variant's 64 × 256 sign bits (2 KB, the packed layout of packed_signs.h) with the
+// tensor memory accelerator into a ring of shared-memory stages, and, once the launch that quantizes
+// x has finished, x's bit-planes. Two consumer warpgroups: the first computes W·xᵀ with wgmma (both
+// operands in shared memory: no instruction touches W's bytes); both share the rows' delta terms on
+// the 1-bit mma (fused_linear_decode.cuh). The bytes still decide it: W once per launch, each
+// variant's bits once.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -22,7 +21,6 @@
 
 namespace bitdelta::cuda {
 
-constexpr int kMaxStreamSplit = 8;      // parts of K per split tile
 constexpr int kMaxStreamVariants = 16;  // distinct variants per launch
 
 struct StreamArgs {
@@ -33,7 +31,7 @@ struct StreamArgs {
   const DeltaRef* deltas = nullptr;  // per row (host array of device pointers; packed signs)
   const uint8_t* xq = nullptr;       // x quantized by prepare_x (quantized_x_block), if any row has a delta
   float* y = nullptr;                // [rows, N]
-  int k_split = 0;                   // > 0: every tile in k_split parts; 0 = split only the leftover tiles
+  int blocks = 0;                    // > 0: that many blocks on equal ranges of units (at most the tiles, or twice)
   int stages = 0;                    // 0 = as many as fit
 };
 

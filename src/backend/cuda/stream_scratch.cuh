@@ -11,8 +11,7 @@ namespace bitdelta::cuda {
 enum class ScratchUse {
   kQuantizedX,          // fused_linear_decode: x's rows quantized for the delta term
   kDecodeMeet,          // the balanced one-row decode kernel: where the two sums of a cut tile's row meet
-  kStreamParts,         // the streaming decode kernel: split tiles' partial sums
-  kStreamCounters,      // ... and their arrival counters
+  kStreamMeet,          // the streaming decode kernel: where the two sums of a cut tile meet
   kAttentionParts,      // attention over positions split over blocks: the parts
   kAttentionCounters,   // ... and their arrival counters
   kPromptQuery,         // attention of a prompt run on GEMMs: its queries in bf16 (high and low parts)
@@ -49,21 +48,6 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned parts
   return last;
 }
 
-// The other form of the merge, where it is known in advance which part comes last (the streaming
-// decode kernel orders each block's units so that the final parts of split tiles come after every
-// early part): an early part writes, then one thread, once the writers have passed a barrier, calls
-// part_written (release: the block's writes before the count); for the final part one thread waits
-// in wait_parts until the count reaches `early` (acquire) and resets it, then a barrier, after which
-// the block reads the parts (through L2: __ldcg). No block waits on memory unless it must.
-__device__ __forceinline__ void part_written(unsigned* counter) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(counter) : "memory");
-}
-__device__ __forceinline__ void wait_parts(unsigned* counter, unsigned early) {
-  unsigned n = 0;
-  do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(n) : "l"(counter) : "memory");
-  while (n < early);
-  *counter = 0;
-}
 #endif
 
 }  // namespace bitdelta::cuda
