@@ -399,12 +399,14 @@ void launch_slots(DecodeParams& p, bool grouped, cudaStream_t stream) {
 // Two blocks per multiprocessor take contiguous ranges of the tiles·KB units in tile order: whole
 // tiles per block where that loads the busiest multiprocessor at most 5% above the average, else
 // equal ranges of units (a tile cut between two blocks). The 8 warps of a block take the range's
-// units in turn, two at a time. Each warp sums its units per tile; the warps' sums meet in shared
-// memory. A range holds at least KB units, so a tile is cut between at most two blocks. Each of the
-// two sums its warps' parts of the tile's rows, and the two sums meet in memory at the blocks' ends:
-// one atomic exchange per row and block, the second block to arrive adding the two (the same float
-// whichever block that is). No block waits for another. (Until part 16 the first block counted its
-// warps' parts with a release and the second waited for the count: about 1.3 µs at 11008 × 4096.)
+// units in turn, two at a time, the cut tiles' units first. Each warp sums its units per tile; the
+// warps' sums meet in shared memory. A range holds at least KB units, so a tile is cut between at
+// most two blocks. Each of the two sums its warps' parts of the tile's rows once they are past that
+// tile, and the two sums meet in memory: one atomic exchange per row and block, while the whole
+// tiles stream, the second block to arrive adding the two (the same float whichever block that is).
+// No block waits for another. (Until part 16 the first block counted its warps' parts with a
+// release and the second waited for the count: about 1.3 µs at 11008 × 4096. In part 16 the
+// exchange was at the blocks' ends.)
 // With a delta, each block first quantizes x into its shared memory (quantize_row_shared), after the
 // wait for the kernel that wrote x: no quantizing launch before it. In a chain of launches that
 // launch cost 1.4–3.3 µs per linear layer, against 0.4–1.6 µs timed alone (NOTES.md, part 15).
@@ -442,13 +444,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   const int T0 = u0 / KB, T1 = (u1 - 1) / KB, ntiles = T1 - T0 + 1;
   const bool head_cut = u0 % KB != 0, tail_cut = u1 % KB != 0;
   // The order of the range: the tail tile's units (cut, when the next block has the rest of that
-  // tile), the whole tiles, the head tile's units (cut, when the block before has the rest). Part
-  // 14's merge needed it; the exchange does not, and it stays the order every figure since was
-  // measured in.
+  // tile), the head tile's units (cut, when the block before has the rest), then the whole tiles, so
+  // that the cut tiles' sums meet the other blocks' while the whole tiles stream (see meet_cut).
   const int tail_len = tail_cut ? u1 - T1 * KB : 0, head_len = head_cut ? (T0 + 1) * KB - u0 : 0;
-  const int mid0 = u0 + head_len, mid_len = u1 - tail_len - mid0;
+  const int cut_len = tail_len + head_len, mid0 = u0 + head_len;
   const auto unit_at = [&](int q) {
-    return q < tail_len ? u1 - tail_len + q : q - tail_len < mid_len ? mid0 + q - tail_len : u0 + q - tail_len - mid_len;
+    return q < tail_len ? u1 - tail_len + q : q < cut_len ? u0 + q - tail_len : mid0 + q - cut_len;
   };
   const int L = u1 - u0;
   // Each warp zeroes its own sums (a tile with fewer than 8 units in the range leaves some unset).
@@ -517,12 +518,42 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     for (int h = 0; h < 4; ++h) acc[0][h] = 0.0f;
     dacc[0] = dacc[1] = sq = 0.0f;
   };
+  // The cut tiles' rows: each block sums its warps' parts of them once every warp is past its units
+  // of them (a named barrier: the others arrive, the warp with the last cut unit waits), and swaps the
+  // sum into p.meet[n] (as 2^32 | bits, so that zero means empty); the block that finds the other's
+  // there writes y = own + other at its end, the same float on either side (addition is commutative),
+  // and empties the word for the next launch. No fence and no wait; the exchange's round trip
+  // overlaps the whole tiles' stream. Lane l of warp `dw`: row l % 16 of the tail tile (l < 16) or of
+  // the head tile.
+  const int dw = cut_len > 0 ? (cut_len - 1) / c % kWarps : -1;
+  bool cut_done = cut_len == 0;
+  unsigned long long other = 0;
+  const auto cut_row = [&](int& s, int& n) {
+    s = lane < 16 ? ntiles - 1 : 0, n = (T0 + s) * 16 + (lane & 15);
+    return (lane < 16 ? tail_cut : head_cut) && n < N;
+  };
+  const auto own_sum = [&](int s) {
+    float v = 0.0f;
+    for (int w = 0; w < kWarps; ++w) v += ysum[(s * kWarps + w) * 16 + (lane & 15)];
+    return v;
+  };
+  const auto meet_cut = [&]() {
+    cut_done = true;
+    if (warp != dw) {
+      asm volatile("bar.arrive 1, %0;\n" ::"n"(kWarps * 32) : "memory");
+      return;
+    }
+    asm volatile("bar.sync 1, %0;\n" ::"n"(kWarps * 32) : "memory");
+    int s, n;
+    if (cut_row(s, n)) other = atomicExch(p.meet + n, (1ull << 32) | __float_as_uint(own_sum(s)));
+  };
   while (q < L) {
     const int adv = i + 1 == c ? kWarps * c - c + 1 : 1;
     if (T != cur) {
       finish(cur);
       start_tile(cur = T);
     }
+    if (!cut_done && q >= cut_len) meet_cut();  // this warp's sums of the cut tiles are written
     // As the register kernel's combined form: W's first batch, the unit's sign fragment, bit-planes
     // and (scale, Σq), then the rest of W batch by batch, then the 1-bit mma.
     const int k0 = kb * kDBlock;
@@ -554,23 +585,20 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     }
   }
   if (cur >= 0) finish(cur);
+  if (!cut_done) meet_cut();
+  if (warp == dw && other != 0) {  // the cut tiles' rows where this block came second
+    int s, n;
+    cut_row(s, n);
+    p.meet[n] = 0;
+    p.y[n] = own_sum(s) + __uint_as_float(unsigned(other));
+  }
   __syncthreads();
-  // Sum the warps per row; a cut tile's row has a second sum in the other block of that tile. The two
-  // meet in p.meet[n]: each block swaps its sum in (as 2^32 | bits, so that zero means empty); the
-  // block that finds the other's there writes y = own + other, the same float on either side
-  // (addition is commutative), and empties the word for the next launch. No fence and no wait:
-  // one atomic per row, at the end.
+  // The whole tiles' rows: the warps' sums.
   for (int e = threadIdx.x; e < ntiles * 16; e += blockDim.x) {
-    const int s = e >> 4, r = e & 15, n = (T0 + s) * 16 + r;
-    if (n >= N) continue;
+    const int s = e >> 4, n = (T0 + s) * 16 + (e & 15);
+    if (n >= N || (s == ntiles - 1 && tail_cut) || (s == 0 && head_cut)) continue;
     float v = 0.0f;
-    for (int w = 0; w < kWarps; ++w) v += ysum[(s * kWarps + w) * 16 + r];
-    if ((s == ntiles - 1 && tail_cut) || (s == 0 && head_cut)) {
-      const unsigned long long other = atomicExch(p.meet + n, (1ull << 32) | __float_as_uint(v));
-      if (other == 0) continue;  // the other block writes y
-      p.meet[n] = 0;
-      v += __uint_as_float(unsigned(other));
-    }
+    for (int w = 0; w < kWarps; ++w) v += ysum[(s * kWarps + w) * 16 + (e & 15)];
     p.y[n] = v;
   }
 }
