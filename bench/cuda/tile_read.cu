@@ -108,6 +108,8 @@ double tile_read_us(const TileReadConfig& c, const std::vector<TileReadSet>& set
     fail("tile_read_us: config ", c.name(), " needs ", smem, " bytes of shared memory per block");
   p.KB = K / c.cols;
   const int tiles = (N + c.rows - 1) / c.rows, grid_max = sms * c.blocks_per_sm;
+  // The streaming kernel's units until part 17 (whole tiles, then the leftover ones split along K);
+  // it now takes equal ranges of units (NOTES.md, part 17). The bytes each block reads are close.
   p.whole = tiles / grid_max * grid_max;
   const int leftover = tiles - p.whole;
   p.ks = leftover == 0 ? 1 : std::max(1, std::min({8, grid_max / leftover, std::max(1, p.KB / 2)}));

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
   const int u1 = int(int64_t(items) * (blockIdx.x + 1) / p.blocks) * per;
   // Calls f(T, kb0, nst) for the block's pieces in tile order: tile T, blocks [kb0, kb0 + nst) of K.
   // Stops where f returns false. (The cut tiles first, whole tiles last, as the one-row kernel takes
-  // them, was 0.3–1.7% slower here: runs 169–170.)
+  // them, was 0.2–1.7% slower here: runs 169–170.)
   const int T0 = u0 / p.KB, pieces = u1 > u0 ? (u1 - 1) / p.KB - T0 + 1 : 0;
   const auto for_pieces = [&](auto&& f) {
     for (int j = 0; j < pieces; ++j) {
