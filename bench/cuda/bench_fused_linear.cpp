@@ -156,27 +156,23 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       add({shape, "a: floor", "one launch reading W, signs", fd.us, double(wbytes + sbytes), t_cublas, "x cuBLAS"});
     }
     const double bytes = double(wbytes + sbytes) + N * 4.0;
-    {  // The engine's choice for one row: the register kernel on the balanced grid.
-      const double t = time_us(
+    // One row of variant 0 with these options, timed alone.
+    const auto time_row = [&](const bcuda::DecodeOptions& o) {
+      return time_us(
           [&](int s) {
             const DeltaRef d = delta(s, 0);
-            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {0, 0, kBalanced});
+            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, o);
           },
           reps);
-      add({shape, "a: 1 row 1 variant", "balanced grid (default)", t, bytes, t_cublas, "x cuBLAS"});
-    }
-    for (int ks : {0, 2, 4, 8}) {
-      const double t = time_us(
-          [&](int s) {
-            const DeltaRef d = delta(s, 0);
-            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {ks, 0, kRegisters});
-          },
-          reps);
+    };
+    // The engine's choice for one row: the register kernel on the balanced grid.
+    add({shape, "a: 1 row 1 variant", "balanced grid (default)", time_row({0, 0, kBalanced}), bytes, t_cublas,
+         "x cuBLAS"});
+    for (int ks : {0, 2, 4, 8})
       add({shape, "a: 1 row 1 variant",
            "registers ks=" + std::to_string(ks ? ks : bcuda::decode_default_k_split(N, 1)) +
                (ks ? "" : " (its rule)"),
-           t, bytes, t_cublas, "x cuBLAS"});
-    }
+           time_row({ks, 0, kRegisters}), bytes, t_cublas, "x cuBLAS"});
     {  // The same, timed call by call alternating with cuBLAS (as case c is): the clocks' drift over the
        // run (cuBLAS's GEMV alone took 14.7–21.4 µs at 4096² in runs 113–129) falls on both alike.
       for (auto kernel : {kBalanced, kRegisters}) {
@@ -200,13 +196,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       bcuda::quantize_x(X, 1, K, q, nullptr);
       bcuda::DecodeOptions o{0, 0, kRegisters};
       o.xq = q;
-      const double t = time_us(
-          [&](int s) {
-            const DeltaRef d = delta(s, 0);
-            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, o);
-          },
-          reps);
-      add({shape, "a: 1 row 1 variant", "registers, x quantized before", t, bytes, t_cublas, "x cuBLAS"});
+      add({shape, "a: 1 row 1 variant", "registers, x quantized before", time_row(o), bytes, t_cublas, "x cuBLAS"});
       // 20 calls back to back, each free to start during the last (as a step's kernels are).
       for (auto kernel : {kBalanced, kRegisters}) {
         const double tc = time_chain_us(
@@ -240,15 +230,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       const double tq = time_us([&](int) { bcuda::quantize_x(X, 1, K, q, nullptr); }, reps);
       add({shape, "a: quantize x", "quantize_x alone (1 row)", tq, K * 2.0 + double(bcuda::quantized_x_bytes(1, K)), 0, ""});
     }
-    if (stream_runs) {
-      const double t = time_us(
-          [&](int s) {
-            const DeltaRef d = delta(s, 0);
-            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {0, 0, kStream});
-          },
-          reps);
-      add({shape, "a: 1 row 1 variant", "stream", t, bytes, t_cublas, "x cuBLAS"});
-    }
+    if (stream_runs) add({shape, "a: 1 row 1 variant", "stream", time_row({0, 0, kStream}), bytes, t_cublas, "x cuBLAS"});
     const DeltaRef none{};
     for (auto kernel : {kBalanced, kRegisters, kStream}) {
       if (kernel == kStream && !stream_runs) continue;

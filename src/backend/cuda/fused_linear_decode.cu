@@ -520,11 +520,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   };
   // The cut tiles' rows: each block sums its warps' parts of them once every warp is past its units
   // of them (a named barrier: the others arrive, the warp with the last cut unit waits), and swaps the
-  // sum into p.meet[n] (as 2^32 | bits, so that zero means empty); the block that finds the other's
-  // there writes y = own + other at its end, the same float on either side (addition is commutative),
-  // and empties the word for the next launch. No fence and no wait; the exchange's round trip
-  // overlaps the whole tiles' stream. Lane l of warp `dw`: row l % 16 of the tail tile (l < 16) or of
-  // the head tile.
+  // sum into p.meet[n] (meet_swap, stream_scratch.cuh); the block that finds the other's there writes
+  // y = own + other at its end (meet_sum). No fence and no wait; the swap's round trip overlaps the
+  // whole tiles' stream. Lane l of warp `dw`: row l % 16 of the tail tile (l < 16) or of the head
+  // tile.
   const int dw = cut_len > 0 ? (cut_len - 1) / c % kWarps : -1;
   bool cut_done = cut_len == 0;
   unsigned long long other = 0;
@@ -545,7 +544,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     }
     asm volatile("bar.sync 1, %0;\n" ::"n"(kWarps * 32) : "memory");
     int s, n;
-    if (cut_row(s, n)) other = atomicExch(p.meet + n, (1ull << 32) | __float_as_uint(own_sum(s)));
+    if (cut_row(s, n)) other = meet_swap(p.meet + n, own_sum(s));
   };
   while (q < L) {
     const int adv = i + 1 == c ? kWarps * c - c + 1 : 1;
@@ -589,8 +588,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   if (warp == dw && other != 0) {  // the cut tiles' rows where this block came second
     int s, n;
     cut_row(s, n);
-    p.meet[n] = 0;
-    p.y[n] = own_sum(s) + __uint_as_float(unsigned(other));
+    p.y[n] = meet_sum(p.meet + n, own_sum(s), other);
   }
   __syncthreads();
   // The whole tiles' rows: the warps' sums.

@@ -115,12 +115,10 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
       if (!f(T, from - T * p.KB, to - from)) return;
     }
   };
-  // A piece's sums red[row of x][tile row] to y. The two blocks of a cut tile each swap
-  // 2^32 | bits(sum) into its word of p.meet (zero means empty); the one that finds the other's sum
-  // there writes y = own + other, the same float whichever block it is (addition is commutative), and
-  // empties the word for the next launch (the launch boundary orders that store before the next
-  // launch's exchanges). Both swap every word of the piece's rows, past N too, so that all are
-  // emptied again. A thread's exchanges are issued together, so that their round trips overlap.
+  // A piece's sums red[row of x][tile row] to y; a cut tile's two blocks meet in p.meet, a word per
+  // element (meet_swap / meet_sum, stream_scratch.cuh), the second writing y. Both swap every word of
+  // the piece's rows, past N too, so that all are emptied again. A thread's swaps are issued
+  // together, so that their round trips overlap.
   const auto write_piece = [&](const float* red, int T, bool cut) {
     const int from = tid, step = kConsumers;
     const int n0 = T * kBM, valid = min(kBM, p.N - n0), count = p.rows * kBM;
@@ -136,15 +134,14 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const int e = e0 + j * step;
-        other[j] = e < count ? atomicExch(meet + e, (1ull << 32) | __float_as_uint(red[e])) : 0ull;
+        other[j] = e < count ? meet_swap(meet + e, red[e]) : 0ull;
       }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const int e = e0 + j * step;
         if (other[j] == 0) continue;  // the other block writes y
-        meet[e] = 0;
-        if ((e & (kBM - 1)) < valid)
-          p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = red[e] + __uint_as_float(unsigned(other[j]));
+        const float v = meet_sum(meet + e, red[e], other[j]);
+        if ((e & (kBM - 1)) < valid) p.y[size_t(e / kBM) * p.N + n0 + (e & (kBM - 1))] = v;
       }
     }
   };

@@ -48,6 +48,20 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned parts
   return last;
 }
 
+// The other merge, of a sum cut between exactly two blocks (the decode kernels' cut tiles), with no
+// fence and no wait. Each block swaps its sum into the sum's word (scratch that is zero between
+// launches): meet_swap returns what was there. Zero: the other block has not arrived, and finishes.
+// Else the caller is second and takes meet_sum: own + other, the same float whichever block it is
+// (addition is commutative), emptying the word for the next launch (the launch boundary orders that
+// store before the next launch's swaps).
+__device__ __forceinline__ unsigned long long meet_swap(unsigned long long* word, float own) {
+  return atomicExch(word, (1ull << 32) | __float_as_uint(own));  // 2^32 | bits: never zero
+}
+__device__ __forceinline__ float meet_sum(unsigned long long* word, float own, unsigned long long other) {
+  *word = 0;
+  return own + __uint_as_float(unsigned(other));
+}
+
 #endif
 
 }  // namespace bitdelta::cuda
