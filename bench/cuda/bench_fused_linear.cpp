@@ -9,7 +9,8 @@
 // [N K ...] cases (b), d and e only (rows of several variants); --few-rows
 // [N K ...] case c' (8–48 rows of one variant) only; --quick the first shape; --profile [N K],
 // --profile-prefill [N K [rows]] few reps (for ncu);
-// --tile-read [N K ...] the streaming kernel's TMA ring alone in several stage geometries (tile_read.h).
+// --tile-read [N K ...] the streaming kernel's TMA ring alone in several stage geometries (tile_read.h);
+// --stream-trace [N K ...] the streaming kernel's per-block timeline (a BITDELTA_STREAM_TRACE build).
 // Timing: CUDA events around each call, warm-up, median of many reps; every rep uses the next of
 // several weight/sign buffer sets so that the 60 MB L2 never serves them; data random (never
 // zeros). The device-to-device copy bandwidth (read + write) is measured in the same run: the
@@ -18,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -94,6 +96,106 @@ void add(Row r) {
   table.push_back(std::move(r));
 }
 
+// --stream-trace: launches of the streaming kernel one at a time (the device idle between), each
+// block's timeline read back (fused_linear_stream.cuh, a BITDELTA_STREAM_TRACE build). Prints, as
+// medians over the launches, in µs from the first block's entry: the span to the last block's end,
+// when the median block's first stage landed and its producer issued its last copy, the blocks' ends
+// (earliest, median) and the average idle tail (last end − a block's end); the time from a piece's
+// last stage to its written sums (its epilogue: median, and of the blocks' last pieces); and per
+// multiprocessor its end against the launch's median end, averaged over launches: the fastest and
+// slowest, and how well the even launches' averages predict the odd ones' (correlation).
+void trace_stream(const std::string& shape, const std::string& what, const std::function<void(int)>& fn) {
+#ifdef BITDELTA_STREAM_TRACE
+  namespace c = bitdelta::cuda;
+  constexpr int kLaunches = 12;
+  for (int s = 0; s < 4; ++s) fn(s);
+  c::stream_trace_take();
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  std::vector<double> span, first, issued, end_min, end_med, idle, epi, epi_last;
+  std::vector<std::vector<double>> sm_rel[2];  // [launch parity][sm] -> ends relative to the median
+  for (int l = 0; l < kLaunches; ++l) {
+    fn(l);
+    const auto t = c::stream_trace_take();
+    const auto at = [&](int b, int e) { return t[size_t(b) * c::kTraceEvents + e]; };
+    int nb = 0;
+    while (nb < c::kTraceBlocks && at(nb, c::kTraceSm)) ++nb;
+    unsigned long long t0 = ~0ull, t1 = 0;
+    for (int b = 0; b < nb; ++b) t0 = std::min(t0, at(b, c::kTraceEntry)), t1 = std::max(t1, at(b, c::kTraceDone));
+    const auto us = [&](unsigned long long v) { return (double(v) - double(t0)) * 1e-3; };
+    std::vector<double> f, is, ends;
+    double idle_sum = 0;
+    for (int b = 0; b < nb; ++b) {
+      f.push_back(us(at(b, c::kTraceFirst)));
+      is.push_back(us(at(b, c::kTraceIssued)));
+      ends.push_back(us(at(b, c::kTraceDone)));
+      idle_sum += (double(t1) - double(at(b, c::kTraceDone))) * 1e-3;
+      int np = 0;
+      while (np < c::kTracePieces && at(b, c::kTracePiece + 2 * np + 1)) ++np;
+      for (int j = 0; j < np; ++j) {
+        const double e = (double(at(b, c::kTracePiece + 2 * j + 1)) - double(at(b, c::kTracePiece + 2 * j))) * 1e-3;
+        (j == np - 1 ? epi_last : epi).push_back(e);
+      }
+    }
+    span.push_back(us(t1));
+    first.push_back(median(f));
+    issued.push_back(median(is));
+    end_min.push_back(*std::min_element(ends.begin(), ends.end()));
+    const double med = median(ends);
+    end_med.push_back(med);
+    idle.push_back(idle_sum / nb);
+    auto& rel = sm_rel[l & 1];
+    for (int b = 0; b < nb; ++b) {
+      const size_t sm = size_t(at(b, c::kTraceSm) - 1);
+      if (rel.size() <= sm) rel.resize(sm + 1);
+      rel[sm].push_back(ends[size_t(b)] - med);
+    }
+  }
+  // Per multiprocessor: its mean offset in even and in odd launches, over those that ran a block in both.
+  std::vector<std::pair<double, int>> mean_all;
+  std::vector<double> even, odd;
+  const auto mean = [](const std::vector<double>& v) {
+    double a = 0;
+    for (double x : v) a += x;
+    return a / double(v.size());
+  };
+  for (size_t sm = 0; sm < std::min(sm_rel[0].size(), sm_rel[1].size()); ++sm) {
+    if (sm_rel[0][sm].empty() || sm_rel[1][sm].empty()) continue;
+    even.push_back(mean(sm_rel[0][sm]));
+    odd.push_back(mean(sm_rel[1][sm]));
+    mean_all.emplace_back((even.back() + odd.back()) / 2, int(sm));
+  }
+  double corr = 0;
+  if (even.size() > 2) {
+    const double me = mean(even), mo = mean(odd);
+    double sxy = 0, sxx = 0, syy = 0;
+    for (size_t i = 0; i < even.size(); ++i) {
+      sxy += (even[i] - me) * (odd[i] - mo), sxx += (even[i] - me) * (even[i] - me), syy += (odd[i] - mo) * (odd[i] - mo);
+    }
+    corr = sxy / std::sqrt(sxx * syy);
+  }
+  std::sort(mean_all.begin(), mean_all.end());
+  const std::string epi_other = epi.empty() ? "-" : std::to_string(median(epi)).substr(0, 4);
+  std::printf("%-12s trace %-20s span %.2f, first stage %.2f, last copy issued %.2f, ends min %.2f median %.2f, "
+              "idle tail %.2f; epilogue %s (pieces before the last), %.2f (last pieces)\n",
+              shape.c_str(), what.c_str(), median(span), median(first), median(issued), median(end_min),
+              median(end_med), median(idle), epi_other.c_str(), median(epi_last));
+  std::printf("%-12s trace %-20s per SM, end - median (us): fastest", shape.c_str(), what.c_str());
+  for (size_t i = 0; i < std::min<size_t>(6, mean_all.size()); ++i)
+    std::printf(" %d:%.2f", mean_all[i].second, mean_all[i].first);
+  std::printf("; slowest");
+  for (size_t i = mean_all.size() > 6 ? mean_all.size() - 6 : 0; i < mean_all.size(); ++i)
+    std::printf(" %d:%.2f", mean_all[i].second, mean_all[i].first);
+  std::printf("; even/odd launches' correlation %.2f\n", corr);
+#else
+  (void)fn;
+  std::printf("%-12s trace %s: build with -DBITDELTA_STREAM_TRACE=ON (CMake) for the timeline\n", shape.c_str(),
+              what.c_str());
+#endif
+}
+
 // profile_only: cases (a) and (b) only, few reps (for ncu); prefill_only: case (c) only (with
 // profile_only too: cuBLAS and the fused GEMM, few reps).
 constexpr auto kRegisters = bcuda::DecodeKernel::kRegisters, kStream = bcuda::DecodeKernel::kStream,
@@ -101,7 +203,8 @@ constexpr auto kRegisters = bcuda::DecodeKernel::kRegisters, kStream = bcuda::De
 
 void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
                  bool profile_only = false, bool prefill_only = false, int prefill_rows = 512,
-                 bool few_rows_only = false, bool one_row_only = false, bool many_only = false) {
+                 bool few_rows_only = false, bool one_row_only = false, bool many_only = false,
+                 bool trace_only = false) {
   // Signs: random bits in the packed device layout (for random bits the layout changes nothing).
   const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
   const int nsets = int(std::max<size_t>(2, (240u << 20) / wbytes + 1));  // > 4× L2 per rotation
@@ -245,6 +348,23 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     }
   }
   if (one_row_only) return;
+  if (trace_only) {  // --stream-trace: the streaming kernel's timeline at 16 rows (16 variants, none) and 32 rows
+    const auto b16 = [&](int s, bool with_deltas) {
+      DeltaRef d[kVariants] = {};
+      if (with_deltas)
+        for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v);
+      bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {0, 0, kStream});
+    };
+    const auto e32 = [&](int s) {
+      DeltaRef d[32];
+      for (int r = 0; r < 32; ++r) d[r] = delta(s, r * 14 / 32);
+      bcuda::fused_linear_decode(W(s), N, K, X, 32, {d, 32}, Y, nullptr, {0, 0, kStream});
+    };
+    trace_stream(shape, "16 rows 16 variants", [&](int s) { b16(s, true); });
+    trace_stream(shape, "16 rows base", [&](int s) { b16(s, false); });
+    trace_stream(shape, "32 rows 14 variants", e32);
+    return;
+  }
   // (b) 16 rows from 16 distinct variants.
   if (!prefill_only) {
     const double bytes = double(wbytes) + kVariants * (double(sbytes) + N * 4.0);
@@ -374,6 +494,17 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
             reps);
         add({shape, "e: 32 rows 14 variants", kernel == kStream ? "stream (one launch)" : "registers (2 x 16)", t,
              bytes_e, bytes_e / copy_bw * 1e6, "x roofline"});
+        if (kernel == kStream) {
+          const double tc = time_chain_us(
+              [&](int s) {
+                DeltaRef d[32];
+                for (int r = 0; r < 32; ++r) d[r] = delta(s, r * nv / 32);
+                bcuda::fused_linear_decode(W(s), N, K, X, 32, {d, 32}, Y, nullptr, {0, 0, kernel});
+              },
+              20);
+          add({shape, "e: 32 rows 14 variants", "stream, chain of 20 calls", tc, bytes_e, bytes_e / copy_bw * 1e6,
+               "x roofline"});
+        }
       }
     }
     if (profile_only || many_only) return;
@@ -572,6 +703,14 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "--quick") shapes.resize(1);
+    if (mode == "--stream-trace") {  // [N K ...], default the five shapes
+      if (argc > 3) {
+        shapes.clear();
+        for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
+      }
+      for (auto [N, K] : shapes) bench_shape(rnd, prefill, N, K, false, false, 512, false, false, true, true);
+      return 0;
+    }
     if ((mode == "--one-row" || mode == "--many-variants") && argc > 3) {  // [N K ...]: those shapes
       shapes.clear();
       for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));

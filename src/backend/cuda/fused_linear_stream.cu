@@ -47,6 +47,24 @@ struct StreamParams {
   int N, KB, rows, nvar, nd, units, blocks, whole, stages, stage_bytes, tx_bytes, xq_block;
 };
 
+#ifdef BITDELTA_STREAM_TRACE
+// The timeline diagnostic (CMake option BITDELTA_STREAM_TRACE; bench_cuda_fused_linear --stream-trace):
+// each block's events, %globaltimer in ns (stream_trace_take, fused_linear_stream.cuh).
+__device__ unsigned long long g_stream_trace[kTraceBlocks * kTraceEvents];
+__device__ __forceinline__ void trace_at(int event, unsigned long long value) {
+  if (blockIdx.x < kTraceBlocks) g_stream_trace[blockIdx.x * kTraceEvents + event] = value;
+}
+__device__ __forceinline__ void trace_now(int event) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  trace_at(event, t);
+}
+#define STREAM_TRACE(cond, event) \
+  if (cond) trace_now(event)
+#else
+#define STREAM_TRACE(cond, event)
+#endif
+
 #ifdef BITDELTA_FUSED_WGMMA
 // d (64 rows × BN columns of f32 per warpgroup) += A (desc: 64 × 16 of W) · B (desc: 16 × BN of xᵀ),
 // both K-major in shared memory. scale-d as an immediate (see the prefill kernel's wgmma).
@@ -93,6 +111,14 @@ template <int BN, int ND>
 __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_constant__ StreamParams p) {
 #ifdef BITDELTA_FUSED_WGMMA
   pdl_launch_dependents();  // launch.cuh: the next kernel may start; this one waits below
+  STREAM_TRACE(threadIdx.x == 0, kTraceEntry);
+#ifdef BITDELTA_STREAM_TRACE
+  if (threadIdx.x == 0) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
+    trace_at(kTraceSm, smid + 1ull);
+  }
+#endif
   constexpr int kXStage = 4 * BN * 128;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -193,6 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         issue_weights(it, n0, kb);
         issue_activations(it, kb);
       });
+      STREAM_TRACE(true, kTraceIssued);
     }
     __syncwarp();
   } else {
@@ -234,6 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         // they run, then the slot goes back to the producer.
         const auto stage = [&]<bool First>() {
           mbar_wait(full0 + 8 * slot, phase);
+          STREAM_TRACE(First && tid == 0 && T == T0, kTraceFirst);
           const uint8_t* st = smem + slot * p.stage_bytes;
           if constexpr (kBase) {
             const uint64_t dw = sw128_desc(smem_addr(st)), dx = sw128_desc(smem_addr(st + kWStage));
@@ -271,6 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         };
         stage.template operator()<true>();
         for (int s = 1; s < nst; ++s) stage.template operator()<false>();
+        STREAM_TRACE(tid == 0 && T - T0 < kTracePieces, kTracePiece + 2 * (T - T0));
 
         // The piece's sums in red[row of x][tile row]: the base (acc[4j + 2h + e]: tile row 16·wq + g +
         // 8h, row of x 8j + 2t + e), then per delta row α·(2·Σ w_p·popc − Σ scale·Σq).
@@ -299,6 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
           }
         consumers_sync<kConsumers>();
         write_piece(red, T, nst < p.KB);
+        STREAM_TRACE(tid == 0 && T - T0 < kTracePieces, kTracePiece + 2 * (T - T0) + 1);
         return true;
       });
     };
@@ -306,6 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
       consume.template operator()<true>();
     else
       consume.template operator()<false>();
+    STREAM_TRACE(tid == 0, kTraceDone);
   }
 #endif
 }
@@ -409,6 +440,17 @@ Grid choose_grid(int tiles, int KB, int sms, int blocks) {
 }
 
 }  // namespace
+
+#ifdef BITDELTA_STREAM_TRACE
+std::vector<unsigned long long> stream_trace_take() {
+  std::vector<unsigned long long> v(size_t(kTraceBlocks) * kTraceEvents);
+  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+  BITDELTA_CUDA_CHECK(cudaMemcpyFromSymbol(v.data(), g_stream_trace, v.size() * sizeof(v[0])));
+  const std::vector<unsigned long long> zero(v.size(), 0);
+  BITDELTA_CUDA_CHECK(cudaMemcpyToSymbol(g_stream_trace, zero.data(), zero.size() * sizeof(zero[0])));
+  return v;
+}
+#endif
 
 // TMA row strides of 16 bytes, and 16-byte aligned tensors.
 static bool operands_fit(const __nv_bfloat16* w, int K, const __nv_bfloat16* x) {

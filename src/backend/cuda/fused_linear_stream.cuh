@@ -17,6 +17,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <vector>
+
 #include "bitdelta/delta_ref.h"
 
 namespace bitdelta::cuda {
@@ -41,5 +43,23 @@ bool stream_kernel_supports(const __nv_bfloat16* w, int K, const __nv_bfloat16* 
 // Whether DecodeKernel::kAuto picks it for this shape (by measurement: bench/cuda/NOTES.md).
 bool stream_kernel_preferred(int N, int K, int rows);
 void fused_linear_stream(const StreamArgs& args, cudaStream_t stream);
+
+#ifdef BITDELTA_STREAM_TRACE
+// The timeline of the last launches (a diagnostic build, CMake option BITDELTA_STREAM_TRACE): per block
+// (up to kTraceBlocks) kTraceEvents words, each launch's blocks overwriting what they record; zeroed
+// after the read (which synchronizes the device). Times are %globaltimer ns; kTraceSm holds the
+// multiprocessor's id + 1 (0: the block did not run). Piece j < kTracePieces of a block (in its order):
+// kTracePiece + 2j when its last stage is done, + 1 when its sums are written.
+constexpr int kTraceBlocks = 264, kTraceEvents = 16, kTracePieces = 5;
+enum TraceEvent {
+  kTraceEntry = 0,   // block entry (thread 0)
+  kTraceFirst = 1,   // the first stage has landed (consumer thread 0)
+  kTraceIssued = 2,  // the producer has issued its last copy
+  kTraceDone = 3,    // the consumers are done (thread 0)
+  kTraceSm = 4,
+  kTracePiece = 5,
+};
+std::vector<unsigned long long> stream_trace_take();
+#endif
 
 }  // namespace bitdelta::cuda
