@@ -96,6 +96,87 @@ void add(Row r) {
   table.push_back(std::move(r));
 }
 
+// Per multiprocessor: its end against its launch's median end, sm_rel[launch parity][sm] over the
+// launches: the fastest and slowest on average, and how well the even launches' averages predict the
+// odd ones' (correlation, over the SMs that ran in both).
+void print_sm_spread(const std::string& shape, const std::string& what, const std::vector<std::vector<double>> (&sm_rel)[2]) {
+  std::vector<std::pair<double, int>> mean_all;
+  std::vector<double> even, odd;
+  const auto mean = [](const std::vector<double>& v) {
+    double a = 0;
+    for (double x : v) a += x;
+    return a / double(v.size());
+  };
+  for (size_t sm = 0; sm < std::min(sm_rel[0].size(), sm_rel[1].size()); ++sm) {
+    if (sm_rel[0][sm].empty() || sm_rel[1][sm].empty()) continue;
+    even.push_back(mean(sm_rel[0][sm]));
+    odd.push_back(mean(sm_rel[1][sm]));
+    mean_all.emplace_back((even.back() + odd.back()) / 2, int(sm));
+  }
+  double corr = 0;
+  if (even.size() > 2) {
+    const double me = mean(even), mo = mean(odd);
+    double sxy = 0, sxx = 0, syy = 0;
+    for (size_t i = 0; i < even.size(); ++i) {
+      sxy += (even[i] - me) * (odd[i] - mo), sxx += (even[i] - me) * (even[i] - me), syy += (odd[i] - mo) * (odd[i] - mo);
+    }
+    corr = sxy / std::sqrt(sxx * syy);
+  }
+  std::sort(mean_all.begin(), mean_all.end());
+  std::printf("%-12s trace %-20s per SM, end - median (us): fastest", shape.c_str(), what.c_str());
+  for (size_t i = 0; i < std::min<size_t>(6, mean_all.size()); ++i)
+    std::printf(" %d:%.2f", mean_all[i].second, mean_all[i].first);
+  std::printf("; slowest");
+  for (size_t i = mean_all.size() > 6 ? mean_all.size() - 6 : 0; i < mean_all.size(); ++i)
+    std::printf(" %d:%.2f", mean_all[i].second, mean_all[i].first);
+  std::printf("; even/odd launches' correlation %.2f\n", corr);
+}
+
+// The floor's read kernel (read_floor.cu) on the same bytes, 8 blocks of 256 threads per SM, traced:
+// span, the SMs' ends (an SM's last block), the idle tail over SMs, and the per-SM spread, medians
+// over 12 launches: whether plain loads see the per-SM differences that the streaming kernel's
+// copies do.
+void trace_floor(const std::string& shape, const std::string& what,
+                 const std::function<std::vector<ReadRegion>(int)>& regions) {
+  constexpr int kLaunches = 12;
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  for (int s = 0; s < 2; ++s) bitdelta::bench::read_floor_trace(regions(s), 8, 256);
+  std::vector<double> span, end_min, end_med, idle;
+  std::vector<std::vector<double>> sm_rel[2];
+  for (int l = 0; l < kLaunches; ++l) {
+    const auto t = bitdelta::bench::read_floor_trace(regions(l), 8, 256);
+    const size_t nb = t.size() / 3;
+    unsigned long long t0 = ~0ull;
+    for (size_t b = 0; b < nb; ++b) t0 = std::min(t0, t[3 * b]);
+    std::vector<double> sm_end;
+    for (size_t b = 0; b < nb; ++b) {
+      const size_t sm = size_t(t[3 * b + 2]);
+      if (sm_end.size() <= sm) sm_end.resize(sm + 1, -1.0);
+      sm_end[sm] = std::max(sm_end[sm], (double(t[3 * b + 1]) - double(t0)) * 1e-3);
+    }
+    std::vector<double> ends;
+    for (double e : sm_end)
+      if (e >= 0) ends.push_back(e);
+    const double last = *std::max_element(ends.begin(), ends.end()), med = median(ends);
+    double idle_sum = 0;
+    for (double e : ends) idle_sum += last - e;
+    span.push_back(last);
+    end_min.push_back(*std::min_element(ends.begin(), ends.end()));
+    end_med.push_back(med);
+    idle.push_back(idle_sum / double(ends.size()));
+    auto& rel = sm_rel[l & 1];
+    rel.resize(std::max(rel.size(), sm_end.size()));
+    for (size_t sm = 0; sm < sm_end.size(); ++sm)
+      if (sm_end[sm] >= 0) rel[sm].push_back(sm_end[sm] - med);
+  }
+  std::printf("%-12s trace %-20s span %.2f, SMs end min %.2f median %.2f, idle tail %.2f\n", shape.c_str(),
+              what.c_str(), median(span), median(end_min), median(end_med), median(idle));
+  print_sm_spread(shape, what, sm_rel);
+}
+
 // --stream-trace: launches of the streaming kernel one at a time (the device idle between), each
 // block's timeline read back (fused_linear_stream.cuh, a BITDELTA_STREAM_TRACE build). Prints, as
 // medians over the launches, in µs from the first block's entry: the span to the last block's end,
@@ -153,42 +234,12 @@ void trace_stream(const std::string& shape, const std::string& what, const std::
       rel[sm].push_back(ends[size_t(b)] - med);
     }
   }
-  // Per multiprocessor: its mean offset in even and in odd launches, over those that ran a block in both.
-  std::vector<std::pair<double, int>> mean_all;
-  std::vector<double> even, odd;
-  const auto mean = [](const std::vector<double>& v) {
-    double a = 0;
-    for (double x : v) a += x;
-    return a / double(v.size());
-  };
-  for (size_t sm = 0; sm < std::min(sm_rel[0].size(), sm_rel[1].size()); ++sm) {
-    if (sm_rel[0][sm].empty() || sm_rel[1][sm].empty()) continue;
-    even.push_back(mean(sm_rel[0][sm]));
-    odd.push_back(mean(sm_rel[1][sm]));
-    mean_all.emplace_back((even.back() + odd.back()) / 2, int(sm));
-  }
-  double corr = 0;
-  if (even.size() > 2) {
-    const double me = mean(even), mo = mean(odd);
-    double sxy = 0, sxx = 0, syy = 0;
-    for (size_t i = 0; i < even.size(); ++i) {
-      sxy += (even[i] - me) * (odd[i] - mo), sxx += (even[i] - me) * (even[i] - me), syy += (odd[i] - mo) * (odd[i] - mo);
-    }
-    corr = sxy / std::sqrt(sxx * syy);
-  }
-  std::sort(mean_all.begin(), mean_all.end());
-  const std::string epi_other = epi.empty() ? "-" : std::to_string(median(epi)).substr(0, 4);
   std::printf("%-12s trace %-20s span %.2f, first stage %.2f, last copy issued %.2f, ends min %.2f median %.2f, "
               "idle tail %.2f; epilogue %s (pieces before the last), %.2f (last pieces)\n",
               shape.c_str(), what.c_str(), median(span), median(first), median(issued), median(end_min),
-              median(end_med), median(idle), epi_other.c_str(), median(epi_last));
-  std::printf("%-12s trace %-20s per SM, end - median (us): fastest", shape.c_str(), what.c_str());
-  for (size_t i = 0; i < std::min<size_t>(6, mean_all.size()); ++i)
-    std::printf(" %d:%.2f", mean_all[i].second, mean_all[i].first);
-  std::printf("; slowest");
-  for (size_t i = mean_all.size() > 6 ? mean_all.size() - 6 : 0; i < mean_all.size(); ++i)
-    std::printf(" %d:%.2f", mean_all[i].second, mean_all[i].first);
-  std::printf("; even/odd launches' correlation %.2f\n", corr);
+              median(end_med), median(idle), (epi.empty() ? std::string("-") : std::to_string(median(epi)).substr(0, 4)).c_str(),
+              median(epi_last));
+  print_sm_spread(shape, what, sm_rel);
 #else
   (void)fn;
   std::printf("%-12s trace %s: build with -DBITDELTA_STREAM_TRACE=ON (CMake) for the timeline\n", shape.c_str(),
@@ -363,6 +414,12 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     trace_stream(shape, "16 rows 16 variants", [&](int s) { b16(s, true); });
     trace_stream(shape, "16 rows base", [&](int s) { b16(s, false); });
     trace_stream(shape, "32 rows 14 variants", e32);
+    trace_floor(shape, "floor: W + 16 signs", [&](int s) {
+      std::vector<ReadRegion> r{{W(s), wbytes}};
+      for (int v = 0; v < kVariants; ++v) r.push_back({delta(s, v).signs, sbytes});
+      return r;
+    });
+    trace_floor(shape, "floor: W", [&](int s) { return std::vector<ReadRegion>{{W(s), wbytes}}; });
     return;
   }
   // (b) 16 rows from 16 distinct variants.

@@ -21,8 +21,14 @@ struct Regions {
 
 // Every thread reads U words of a region at a time (stride apart, all in flight), XOR-folds them and
 // writes only if the fold hits a value random data almost never gives: the loads cannot be dropped.
+// trace (or null): per block {entry, end, %smid} (%globaltimer ns), for read_floor_trace.
 template <int U>
-__global__ void read_kernel(const __grid_constant__ Regions r, unsigned* sink) {
+__global__ void read_kernel(const __grid_constant__ Regions r, unsigned* sink, unsigned long long* trace = nullptr) {
+  if (trace && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    trace[3 * blockIdx.x] = t;
+  }
   unsigned acc = 0;
   const size_t stride = size_t(gridDim.x) * blockDim.x, first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int j = 0; j < r.count; ++j) {
@@ -42,9 +48,37 @@ __global__ void read_kernel(const __grid_constant__ Regions r, unsigned* sink) {
     }
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;
+  if (trace) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned long long t;
+      unsigned smid;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      trace[3 * blockIdx.x + 1] = t, trace[3 * blockIdx.x + 2] = smid;
+    }
+  }
 }
 
 }  // namespace
+
+std::vector<unsigned long long> read_floor_trace(const std::vector<ReadRegion>& regions, int per_sm, int threads) {
+  int device = 0, sms = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
+  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  Regions r{};
+  for (const ReadRegion& g : regions) {
+    if (r.count == kMaxReadRegions) fail("read_floor_trace: more than ", kMaxReadRegions, " regions");
+    r.p[r.count] = static_cast<const uint4*>(g.ptr), r.n[r.count++] = g.bytes / 16;
+  }
+  const int blocks = sms * per_sm;
+  DeviceMem sink(4), trace(size_t(blocks) * 3 * 8);
+  read_kernel<4><<<blocks, threads>>>(r, static_cast<unsigned*>(sink.ptr), static_cast<unsigned long long*>(trace.ptr));
+  BITDELTA_CUDA_CHECK(cudaGetLastError());
+  std::vector<unsigned long long> v(size_t(blocks) * 3);
+  BITDELTA_CUDA_CHECK(cudaMemcpy(v.data(), trace.ptr, v.size() * 8, cudaMemcpyDeviceToHost));
+  return v;
+}
 
 ReadFloor read_floor_us(const std::function<std::vector<ReadRegion>(int)>& regions, int reps) {
   int device = 0, sms = 0;

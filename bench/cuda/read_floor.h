@@ -25,4 +25,9 @@ struct ReadFloor {
 // launches; the fastest median wins.
 ReadFloor read_floor_us(const std::function<std::vector<ReadRegion>(int)>& regions, int reps);
 
+// One launch of the floor's kernel (per_sm blocks per multiprocessor, 4 loads in flight per thread)
+// reading these regions, each block's {entry, end, %smid} recorded (%globaltimer ns): the timeline
+// that --stream-trace compares with the streaming kernel's.
+std::vector<unsigned long long> read_floor_trace(const std::vector<ReadRegion>& regions, int per_sm, int threads);
+
 }  // namespace bitdelta::bench
