@@ -43,6 +43,7 @@ namespace {
 using bitdelta::DeltaRef;
 namespace bcuda = bitdelta::cuda;
 using bitdelta::bench::DeviceMem;
+using bitdelta::bench::median;
 using bitdelta::bench::read_floor_us;
 using bitdelta::bench::ReadFloor;
 using bitdelta::bench::ReadRegion;
@@ -96,150 +97,144 @@ void add(Row r) {
   table.push_back(std::move(r));
 }
 
-// Per multiprocessor: its end against its launch's median end, sm_rel[launch parity][sm] over the
-// launches: the fastest and slowest on average, and how well the even launches' averages predict the
-// odd ones' (correlation, over the SMs that ran in both).
-void print_sm_spread(const std::string& shape, const std::string& what, const std::vector<std::vector<double>> (&sm_rel)[2]) {
-  std::vector<std::pair<double, int>> mean_all;
-  std::vector<double> even, odd;
-  const auto mean = [](const std::vector<double>& v) {
-    double a = 0;
-    for (double x : v) a += x;
-    return a / double(v.size());
-  };
-  for (size_t sm = 0; sm < std::min(sm_rel[0].size(), sm_rel[1].size()); ++sm) {
-    if (sm_rel[0][sm].empty() || sm_rel[1][sm].empty()) continue;
-    even.push_back(mean(sm_rel[0][sm]));
-    odd.push_back(mean(sm_rel[1][sm]));
-    mean_all.emplace_back((even.back() + odd.back()) / 2, int(sm));
-  }
-  double corr = 0;
-  if (even.size() > 2) {
-    const double me = mean(even), mo = mean(odd);
-    double sxy = 0, sxx = 0, syy = 0;
-    for (size_t i = 0; i < even.size(); ++i) {
-      sxy += (even[i] - me) * (odd[i] - mo), sxx += (even[i] - me) * (even[i] - me), syy += (odd[i] - mo) * (odd[i] - mo);
-    }
-    corr = sxy / std::sqrt(sxx * syy);
-  }
-  std::sort(mean_all.begin(), mean_all.end());
-  std::printf("%-12s trace %-20s per SM, end - median (us): fastest", shape.c_str(), what.c_str());
-  for (size_t i = 0; i < std::min<size_t>(6, mean_all.size()); ++i)
-    std::printf(" %d:%.2f", mean_all[i].second, mean_all[i].first);
-  std::printf("; slowest");
-  for (size_t i = mean_all.size() > 6 ? mean_all.size() - 6 : 0; i < mean_all.size(); ++i)
-    std::printf(" %d:%.2f", mean_all[i].second, mean_all[i].first);
-  std::printf("; even/odd launches' correlation %.2f\n", corr);
-}
-
-// The floor's read kernel (read_floor.cu) on the same bytes, 8 blocks of 256 threads per SM, traced:
-// span, the SMs' ends (an SM's last block), the idle tail over SMs, and the per-SM spread, medians
-// over 12 launches: whether plain loads see the per-SM differences that the streaming kernel's
-// copies do.
-void trace_floor(const std::string& shape, const std::string& what,
-                 const std::function<std::vector<ReadRegion>(int)>& regions) {
-  constexpr int kLaunches = 12;
-  const auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
-  for (int s = 0; s < 2; ++s) bitdelta::bench::read_floor_trace(regions(s), 8, 256);
+// The ends of traced launches (µs from the launch's first entry), one value per block or per
+// multiprocessor with its SM id: per launch the span (last end), the earliest and median end and the
+// average idle tail (last end − an end); per multiprocessor its end against its launch's median,
+// kept by launch parity, so that the even launches' averages can be compared with the odd ones'.
+struct EndStats {
   std::vector<double> span, end_min, end_med, idle;
   std::vector<std::vector<double>> sm_rel[2];
-  for (int l = 0; l < kLaunches; ++l) {
+  void add(int launch, const std::vector<std::pair<size_t, double>>& ends) {
+    std::vector<double> e;
+    for (const auto& [sm, t] : ends) e.push_back(t);
+    const double last = *std::max_element(e.begin(), e.end()), med = median(e);
+    double idle_sum = 0;
+    for (double t : e) idle_sum += last - t;
+    span.push_back(last);
+    end_min.push_back(*std::min_element(e.begin(), e.end()));
+    end_med.push_back(med);
+    idle.push_back(idle_sum / double(e.size()));
+    auto& rel = sm_rel[launch & 1];
+    for (const auto& [sm, t] : ends) {
+      if (rel.size() <= sm) rel.resize(sm + 1);
+      rel[sm].push_back(t - med);
+    }
+  }
+  // "span …, ends min … median …, idle tail …" (medians over the launches).
+  std::string summary() const {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "span %.2f, ends min %.2f median %.2f, idle tail %.2f", median(span),
+                  median(end_min), median(end_med), median(idle));
+    return buf;
+  }
+  // The fastest and slowest multiprocessors on average, and the even/odd launches' correlation (over
+  // the SMs that ran in both).
+  void print_sm_spread(const std::string& shape, const std::string& what) const {
+    std::vector<std::pair<double, int>> mean_all;
+    std::vector<double> even, odd;
+    const auto mean = [](const std::vector<double>& v) {
+      double a = 0;
+      for (double x : v) a += x;
+      return a / double(v.size());
+    };
+    for (size_t sm = 0; sm < std::min(sm_rel[0].size(), sm_rel[1].size()); ++sm) {
+      if (sm_rel[0][sm].empty() || sm_rel[1][sm].empty()) continue;
+      even.push_back(mean(sm_rel[0][sm]));
+      odd.push_back(mean(sm_rel[1][sm]));
+      mean_all.emplace_back((even.back() + odd.back()) / 2, int(sm));
+    }
+    double corr = 0;
+    if (even.size() > 2) {
+      const double me = mean(even), mo = mean(odd);
+      double sxy = 0, sxx = 0, syy = 0;
+      for (size_t i = 0; i < even.size(); ++i) {
+        sxy += (even[i] - me) * (odd[i] - mo), sxx += (even[i] - me) * (even[i] - me), syy += (odd[i] - mo) * (odd[i] - mo);
+      }
+      corr = sxy / std::sqrt(sxx * syy);
+    }
+    std::sort(mean_all.begin(), mean_all.end());
+    std::printf("%-12s trace %-20s per SM, end - median (us): fastest", shape.c_str(), what.c_str());
+    for (size_t i = 0; i < std::min<size_t>(6, mean_all.size()); ++i)
+      std::printf(" %d:%.2f", mean_all[i].second, mean_all[i].first);
+    std::printf("; slowest");
+    for (size_t i = mean_all.size() > 6 ? mean_all.size() - 6 : 0; i < mean_all.size(); ++i)
+      std::printf(" %d:%.2f", mean_all[i].second, mean_all[i].first);
+    std::printf("; even/odd launches' correlation %.2f\n", corr);
+  }
+};
+
+constexpr int kTraceLaunches = 12;
+
+// The floor's read kernel (read_floor.cu) on the same bytes, 8 blocks of 256 threads per SM, traced:
+// an SM's end is its last block's; medians over the launches. Whether plain loads see the per-SM
+// differences that the streaming kernel's copies do.
+void trace_floor(const std::string& shape, const std::string& what,
+                 const std::function<std::vector<ReadRegion>(int)>& regions) {
+  for (int s = 0; s < 2; ++s) bitdelta::bench::read_floor_trace(regions(s), 8, 256);
+  EndStats stats;
+  for (int l = 0; l < kTraceLaunches; ++l) {
     const auto t = bitdelta::bench::read_floor_trace(regions(l), 8, 256);
     const size_t nb = t.size() / 3;
     unsigned long long t0 = ~0ull;
     for (size_t b = 0; b < nb; ++b) t0 = std::min(t0, t[3 * b]);
-    std::vector<double> sm_end;
+    std::vector<double> sm_end;  // −1: no block ran there
     for (size_t b = 0; b < nb; ++b) {
       const size_t sm = size_t(t[3 * b + 2]);
       if (sm_end.size() <= sm) sm_end.resize(sm + 1, -1.0);
       sm_end[sm] = std::max(sm_end[sm], (double(t[3 * b + 1]) - double(t0)) * 1e-3);
     }
-    std::vector<double> ends;
-    for (double e : sm_end)
-      if (e >= 0) ends.push_back(e);
-    const double last = *std::max_element(ends.begin(), ends.end()), med = median(ends);
-    double idle_sum = 0;
-    for (double e : ends) idle_sum += last - e;
-    span.push_back(last);
-    end_min.push_back(*std::min_element(ends.begin(), ends.end()));
-    end_med.push_back(med);
-    idle.push_back(idle_sum / double(ends.size()));
-    auto& rel = sm_rel[l & 1];
-    rel.resize(std::max(rel.size(), sm_end.size()));
+    std::vector<std::pair<size_t, double>> ends;
     for (size_t sm = 0; sm < sm_end.size(); ++sm)
-      if (sm_end[sm] >= 0) rel[sm].push_back(sm_end[sm] - med);
+      if (sm_end[sm] >= 0) ends.emplace_back(sm, sm_end[sm]);
+    stats.add(l, ends);
   }
-  std::printf("%-12s trace %-20s span %.2f, SMs end min %.2f median %.2f, idle tail %.2f\n", shape.c_str(),
-              what.c_str(), median(span), median(end_min), median(end_med), median(idle));
-  print_sm_spread(shape, what, sm_rel);
+  std::printf("%-12s trace %-20s %s (ends: the SMs')\n", shape.c_str(), what.c_str(), stats.summary().c_str());
+  stats.print_sm_spread(shape, what);
 }
 
 // --stream-trace: launches of the streaming kernel one at a time (the device idle between), each
 // block's timeline read back (fused_linear_stream.cuh, a BITDELTA_STREAM_TRACE build). Prints, as
-// medians over the launches, in µs from the first block's entry: the span to the last block's end,
-// when the median block's first stage landed and its producer issued its last copy, the blocks' ends
-// (earliest, median) and the average idle tail (last end − a block's end); the time from a piece's
-// last stage to its written sums (its epilogue: median, and of the blocks' last pieces); and per
-// multiprocessor its end against the launch's median end, averaged over launches: the fastest and
-// slowest, and how well the even launches' averages predict the odd ones' (correlation).
+// medians over the launches, in µs from the first block's entry: EndStats' span, ends and idle tail
+// (over blocks); when the median block's first stage landed and its producer issued its last copy;
+// the time from a piece's last stage to its written sums (its epilogue: of pieces before a block's
+// last, and of last pieces); and EndStats' per-SM spread.
 void trace_stream(const std::string& shape, const std::string& what, const std::function<void(int)>& fn) {
 #ifdef BITDELTA_STREAM_TRACE
   namespace c = bitdelta::cuda;
-  constexpr int kLaunches = 12;
   for (int s = 0; s < 4; ++s) fn(s);
   c::stream_trace_take();
-  const auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
-  std::vector<double> span, first, issued, end_min, end_med, idle, epi, epi_last;
-  std::vector<std::vector<double>> sm_rel[2];  // [launch parity][sm] -> ends relative to the median
-  for (int l = 0; l < kLaunches; ++l) {
+  EndStats stats;
+  std::vector<double> first, issued, epi, epi_last;
+  for (int l = 0; l < kTraceLaunches; ++l) {
     fn(l);
     const auto t = c::stream_trace_take();
     const auto at = [&](int b, int e) { return t[size_t(b) * c::kTraceEvents + e]; };
     int nb = 0;
     while (nb < c::kTraceBlocks && at(nb, c::kTraceSm)) ++nb;
-    unsigned long long t0 = ~0ull, t1 = 0;
-    for (int b = 0; b < nb; ++b) t0 = std::min(t0, at(b, c::kTraceEntry)), t1 = std::max(t1, at(b, c::kTraceDone));
+    unsigned long long t0 = ~0ull;
+    for (int b = 0; b < nb; ++b) t0 = std::min(t0, at(b, c::kTraceEntry));
     const auto us = [&](unsigned long long v) { return (double(v) - double(t0)) * 1e-3; };
-    std::vector<double> f, is, ends;
-    double idle_sum = 0;
+    std::vector<double> f, is;
+    std::vector<std::pair<size_t, double>> ends;
     for (int b = 0; b < nb; ++b) {
       f.push_back(us(at(b, c::kTraceFirst)));
       is.push_back(us(at(b, c::kTraceIssued)));
-      ends.push_back(us(at(b, c::kTraceDone)));
-      idle_sum += (double(t1) - double(at(b, c::kTraceDone))) * 1e-3;
+      ends.emplace_back(size_t(at(b, c::kTraceSm) - 1), us(at(b, c::kTraceDone)));
       int np = 0;
       while (np < c::kTracePieces && at(b, c::kTracePiece + 2 * np + 1)) ++np;
-      for (int j = 0; j < np; ++j) {
-        const double e = (double(at(b, c::kTracePiece + 2 * j + 1)) - double(at(b, c::kTracePiece + 2 * j))) * 1e-3;
-        (j == np - 1 ? epi_last : epi).push_back(e);
-      }
+      for (int j = 0; j < np; ++j)
+        (j == np - 1 ? epi_last : epi)
+            .push_back(us(at(b, c::kTracePiece + 2 * j + 1)) - us(at(b, c::kTracePiece + 2 * j)));
     }
-    span.push_back(us(t1));
+    stats.add(l, ends);
     first.push_back(median(f));
     issued.push_back(median(is));
-    end_min.push_back(*std::min_element(ends.begin(), ends.end()));
-    const double med = median(ends);
-    end_med.push_back(med);
-    idle.push_back(idle_sum / nb);
-    auto& rel = sm_rel[l & 1];
-    for (int b = 0; b < nb; ++b) {
-      const size_t sm = size_t(at(b, c::kTraceSm) - 1);
-      if (rel.size() <= sm) rel.resize(sm + 1);
-      rel[sm].push_back(ends[size_t(b)] - med);
-    }
   }
-  std::printf("%-12s trace %-20s span %.2f, first stage %.2f, last copy issued %.2f, ends min %.2f median %.2f, "
-              "idle tail %.2f; epilogue %s (pieces before the last), %.2f (last pieces)\n",
-              shape.c_str(), what.c_str(), median(span), median(first), median(issued), median(end_min),
-              median(end_med), median(idle), (epi.empty() ? std::string("-") : std::to_string(median(epi)).substr(0, 4)).c_str(),
-              median(epi_last));
-  print_sm_spread(shape, what, sm_rel);
+  std::printf("%-12s trace %-20s %s; first stage %.2f, last copy issued %.2f; epilogue %s (pieces before the last), "
+              "%.2f (last pieces)\n",
+              shape.c_str(), what.c_str(), stats.summary().c_str(), median(first), median(issued),
+              (epi.empty() ? std::string("-") : std::to_string(median(epi)).substr(0, 4)).c_str(), median(epi_last));
+  stats.print_sm_spread(shape, what);
 #else
   (void)fn;
   std::printf("%-12s trace %s: build with -DBITDELTA_STREAM_TRACE=ON (CMake) for the timeline\n", shape.c_str(),

@@ -21,13 +21,16 @@ struct Regions {
 
 // Every thread reads U words of a region at a time (stride apart, all in flight), XOR-folds them and
 // writes only if the fold hits a value random data almost never gives: the loads cannot be dropped.
-// trace (or null): per block {entry, end, %smid} (%globaltimer ns), for read_floor_trace.
-template <int U>
+// Trace: per block {entry, end, %smid} into trace (%globaltimer ns), for read_floor_trace; the timed
+// form (Trace false) has none of it.
+template <int U, bool Trace = false>
 __global__ void read_kernel(const __grid_constant__ Regions r, unsigned* sink, unsigned long long* trace = nullptr) {
-  if (trace && threadIdx.x == 0) {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    trace[3 * blockIdx.x] = t;
+  if constexpr (Trace) {
+    if (threadIdx.x == 0) {
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      trace[3 * blockIdx.x] = t;
+    }
   }
   unsigned acc = 0;
   const size_t stride = size_t(gridDim.x) * blockDim.x, first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -48,7 +51,7 @@ __global__ void read_kernel(const __grid_constant__ Regions r, unsigned* sink, u
     }
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;
-  if (trace) {
+  if constexpr (Trace) {
     __syncthreads();
     if (threadIdx.x == 0) {
       unsigned long long t;
@@ -60,20 +63,30 @@ __global__ void read_kernel(const __grid_constant__ Regions r, unsigned* sink, u
   }
 }
 
-}  // namespace
+Regions to_regions(const std::vector<ReadRegion>& regions) {
+  Regions r{};
+  for (const ReadRegion& g : regions) {
+    if (r.count == kMaxReadRegions) fail("read_floor: more than ", kMaxReadRegions, " regions");
+    if ((reinterpret_cast<uintptr_t>(g.ptr) & 15) != 0) fail("read_floor: a region is not 16-byte aligned");
+    r.p[r.count] = static_cast<const uint4*>(g.ptr), r.n[r.count++] = g.bytes / 16;
+  }
+  return r;
+}
 
-std::vector<unsigned long long> read_floor_trace(const std::vector<ReadRegion>& regions, int per_sm, int threads) {
+int multiprocessors() {
   int device = 0, sms = 0;
   BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
   BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  Regions r{};
-  for (const ReadRegion& g : regions) {
-    if (r.count == kMaxReadRegions) fail("read_floor_trace: more than ", kMaxReadRegions, " regions");
-    r.p[r.count] = static_cast<const uint4*>(g.ptr), r.n[r.count++] = g.bytes / 16;
-  }
-  const int blocks = sms * per_sm;
+  return sms;
+}
+
+}  // namespace
+
+std::vector<unsigned long long> read_floor_trace(const std::vector<ReadRegion>& regions, int per_sm, int threads) {
+  const int blocks = multiprocessors() * per_sm;
   DeviceMem sink(4), trace(size_t(blocks) * 3 * 8);
-  read_kernel<4><<<blocks, threads>>>(r, static_cast<unsigned*>(sink.ptr), static_cast<unsigned long long*>(trace.ptr));
+  read_kernel<4, true><<<blocks, threads>>>(to_regions(regions), static_cast<unsigned*>(sink.ptr),
+                                            static_cast<unsigned long long*>(trace.ptr));
   BITDELTA_CUDA_CHECK(cudaGetLastError());
   std::vector<unsigned long long> v(size_t(blocks) * 3);
   BITDELTA_CUDA_CHECK(cudaMemcpy(v.data(), trace.ptr, v.size() * 8, cudaMemcpyDeviceToHost));
@@ -81,17 +94,10 @@ std::vector<unsigned long long> read_floor_trace(const std::vector<ReadRegion>& 
 }
 
 ReadFloor read_floor_us(const std::function<std::vector<ReadRegion>(int)>& regions, int reps) {
-  int device = 0, sms = 0;
-  BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
-  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = multiprocessors();
   DeviceMem sink(4);
   const auto launch = [&](int rep, int blocks, int threads, int unroll) {
-    Regions r{};
-    for (const ReadRegion& g : regions(rep)) {
-      if (r.count == kMaxReadRegions) fail("read_floor_us: more than ", kMaxReadRegions, " regions");
-      if ((reinterpret_cast<uintptr_t>(g.ptr) & 15) != 0) fail("read_floor_us: a region is not 16-byte aligned");
-      r.p[r.count] = static_cast<const uint4*>(g.ptr), r.n[r.count++] = g.bytes / 16;
-    }
+    const Regions r = to_regions(regions(rep));
     if (unroll == 4)
       read_kernel<4><<<blocks, threads>>>(r, static_cast<unsigned*>(sink.ptr));
     else
