@@ -48,56 +48,17 @@ __device__ __forceinline__ void delta_block(const uint4& a, const uint4& b, floa
 constexpr int kQuantizedPlanes = 256;  // offset of the bit-planes in a block
 __host__ __device__ __forceinline__ int quantized_x_block(int rows) { return kQuantizedPlanes + rows * 512; }
 
-// Row r of x in 256-column block kb, quantized into blk (that block of quantized_x_block bytes):
-// scale = max |x| / 32767, q = round(x / scale), and the bit-planes of q as the lanes' B fragments.
-// Lane ℓ holds columns 32·j + ℓ, so one ballot of bit p of q_j is word j of plane p; lane (g, t)'s
-// fragment is 4 words: planes g, g + 8 × words t, t + 4. The calling warp makes word w (0..3) of
-// every lane's fragment (planes 8·(w / 2) + 0..7 × words 4·(w % 2) + 0..3: 32 ballots), so four
-// warps make a fragment, each loading and scaling the same 256 values; with w = 0 it also stores the
-// block's (scale, Σq).
-__device__ __forceinline__ void quantize_row_block(const __nv_bfloat16* x, int K, int r, int kb, uint8_t* blk, int w) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const __nv_bfloat16* xr = x + size_t(r) * K + size_t(kb) * 256;
-  const int valid = min(256, K - kb * 256);
-  float v[8], m = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    v[j] = 32 * j + lane < valid ? __bfloat162float(xr[32 * j + lane]) : 0.0f;
-    m = fmaxf(m, fabsf(v[j]));
-  }
-  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const float inv = m > 0.0f ? float(kQMax) / m : 0.0f;
-  int q[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) q[j] = max(-kQMax, min(kQMax, __float2int_rn(v[j] * inv)));
-  // Words 4·(w % 2) + jj of q, shifted so that plane 8·(w / 2) + pl is bit pl.
-  int qs[4];
-#pragma unroll
-  for (int jj = 0; jj < 4; ++jj) qs[jj] = (w & 1 ? q[4 + jj] : q[jj]) >> (w & 2 ? 8 : 0);
-  uint32_t f = 0;
-#pragma unroll
-  for (int pl = 0; pl < 8; ++pl)
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const uint32_t word = __ballot_sync(0xffffffffu, (qs[jj] >> pl) & 1);
-      if (pl == g && jj == t) f = word;
-    }
-  reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes)[(r * 32 + lane) * 4 + w] = f;
-  if (w == 0) {
-    int sum = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) sum += q[j];
-    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) reinterpret_cast<float2*>(blk)[r] = make_float2(m / float(kQMax), float(sum));
-  }
-}
-
-// One row of x quantized as quantize_row_block does (the same scale, q and Σq, bit for bit), by a
-// whole thread block into shared memory: block kb at xs + kb·kRowPlaneBytes, the 32 lanes' B
-// fragments (512 bytes, as in quantized_x_block) then (scale, Σq). A thread takes 32 columns (one
-// word of every plane; an item): its values' maximum is reduced over the 8 threads of the block, and
-// its bit-planes come from an in-register transpose (bit_planes32), not from 128 ballots per block.
-// A thread issues the loads of two items before it works on either (K past 8192 gives some
+// x is quantized per row and 256-column block: scale = max |x| / 32767, q = round(x / scale), and the
+// 16 bit-planes of q as the lanes' B fragments. Plane p's word j is the bits of q at columns 32j..32j +
+// 31; lane (g, t)'s fragment is 4 words: planes g, g + 8 × words t, t + 4.
+//
+// Every kernel quantizes with quantize_item: a thread takes 32 columns (an item: one word of every
+// plane), their maximum is reduced over the 8 threads of the block, and the bit-planes come from an
+// in-register transpose (bit_planes32), not from 128 ballots per block.
+//
+// One row of x quantized by a whole thread block into shared memory (quantize_row_shared): block kb
+// at xs + kb·kRowPlaneBytes, the 32 lanes' B fragments (512 bytes, as in quantized_x_block) then
+// (scale, Σq). A thread issues the loads of two items before it works on either (K past 8192 gives some
 // threads two), so that their latencies overlap. Every thread of the block calls it; the caller
 // synchronizes before reading xs.
 constexpr int kRowPlaneBytes = 528;  // 512 bytes of fragments, (scale, Σq), padded to 16 bytes
@@ -121,8 +82,12 @@ __device__ __forceinline__ void load_item(const __nv_bfloat16* x, int K, bool al
   }
 }
 
-// Item (kb, j): columns kb·256 + 32j.. quantized into block kb of xs (raw: load_item's).
-__device__ __forceinline__ void quantize_item(const uint32_t (&raw)[16], int kb, int j, unsigned group, uint8_t* xs) {
+// Item j of a 256-column block: its columns 32j.. (raw: load_item's), quantized by the 8 lanes of
+// `group` (one per item of the block, lanes 8i..8i + 7 of a warp, all taking part); the words of its
+// planes to frag (the block's 32 lanes' fragments: 128 words), and the block's (scale, Σq) to *scale
+// by item 0.
+__device__ __forceinline__ void quantize_item(const uint32_t (&raw)[16], int j, unsigned group, uint32_t* frag,
+                                              float2* scale) {
   const auto value = [&](int i) {
     return __uint_as_float(i & 1 ? raw[i >> 1] & 0xFFFF0000u : raw[i >> 1] << 16);
   };
@@ -138,8 +103,8 @@ __device__ __forceinline__ void quantize_item(const uint32_t (&raw)[16], int kb,
   // q = round(v · inv), to nearest even as __float2int_rn, but on the full-rate float adder (the
   // conversion runs at a quarter of its rate): the product plus 1.5·2²³ is rounded to an integer
   // (its exponent leaves no fraction bits), which then sits in the low bits of the sum's
-  // representation, two's complement. |v · inv| ≤ kQMax, so quantize_row_block's clamp changes
-  // nothing and is left out. Σq, from those representations, wraps correctly in 32 bits.
+  // representation, two's complement. |v · inv| ≤ kQMax (to within rounding), so no clamp is
+  // needed. Σq, from those representations, wraps correctly in 32 bits.
   constexpr float kMagic = 12582912.0f;  // 1.5·2²³: bits 0x4B400000
   uint32_t r[16], s[16];
 #pragma unroll
@@ -156,11 +121,16 @@ __device__ __forceinline__ void quantize_item(const uint32_t (&raw)[16], int kb,
   for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(group, sum, o);
   bit_planes32(r);
   // Plane p of word j (columns 32j..) is register 2·(p / 8) + j / 4 of lane 4·(p % 8) + j % 4.
-  uint32_t* frag = reinterpret_cast<uint32_t*>(xs + kb * kRowPlaneBytes);
 #pragma unroll
   for (int p = 0; p < 16; ++p) frag[((p & 7) * 4 + (j & 3)) * 4 + (p >> 3) * 2 + (j >> 2)] = r[p];
-  if (j == 0)
-    *reinterpret_cast<float2*>(xs + kb * kRowPlaneBytes + 512) = make_float2(m / float(kQMax), float(int(sum)));
+  if (j == 0) *scale = make_float2(m / float(kQMax), float(int(sum)));
+}
+
+// Item (kb, j) of a row into xs (quantize_row_shared's layout).
+__device__ __forceinline__ void quantize_item_shared(const uint32_t (&raw)[16], int kb, int j, unsigned group,
+                                                     uint8_t* xs) {
+  quantize_item(raw, j, group, reinterpret_cast<uint32_t*>(xs + kb * kRowPlaneBytes),
+                reinterpret_cast<float2*>(xs + kb * kRowPlaneBytes + 512));
 }
 
 // after_loads(): called once by every thread, after its first loads of x are issued.
@@ -176,8 +146,8 @@ __device__ __forceinline__ void quantize_row_shared(const __nv_bfloat16* x, int 
     load_item(x, K, aligned, (a >> 3) * 256 + (a & 7) * 32, ra);
     if (b < items) load_item(x, K, aligned, (b >> 3) * 256 + (b & 7) * 32, rb);
     if (!called) after_loads(), called = true;
-    quantize_item(ra, a >> 3, a & 7, group, xs);
-    if (b < items) quantize_item(rb, b >> 3, b & 7, group, xs);
+    quantize_item_shared(ra, a >> 3, a & 7, group, xs);
+    if (b < items) quantize_item_shared(rb, b >> 3, b & 7, group, xs);
   }
   if (!called) after_loads();
 }

@@ -677,19 +677,23 @@ void launch_row(const RowPlan& plan, const __nv_bfloat16* w, int N, int K, const
   launch_chained(kernel, grid, block, plan.smem, stream, r);
 }
 
-// Four warps per row of x and 256-column block (quantize_row_block: one word of each lane's fragment
-// per warp), 8 warps per thread block. One warp making all four words took 128 ballots in a
-// dependent chain: 4.22 µs for one row of 8192 (run 40), against 3.84 µs this way (run 55).
-constexpr int kPrepWarps = 8, kPrepWarpsPerItem = 4;
-__global__ void __launch_bounds__(kPrepWarps * 32) prepare_x_kernel(const __nv_bfloat16* x, int rows, int K, int KB,
-                                                                    uint8_t* xq, int xq_block) {
+// quantize_x's kernel: a thread per item (32 columns of a row and 256-column block: quantize_item),
+// items in row order. (Until part 19: four warps per (row, block), each making a word of each lane's
+// fragment by 32 ballots. Alone, either takes 4.1–8.3 µs, mostly the launch: medians 5.6 and 5.6 µs
+// for 16 rows, runs 192–193.)
+constexpr int kPrepThreads = 128;
+__global__ void __launch_bounds__(kPrepThreads) prepare_x_kernel(const __nv_bfloat16* x, int rows, int K, int KB,
+                                                                 bool aligned, uint8_t* xq, int xq_block) {
   pdl_launch_dependents();  // launch.cuh
   pdl_wait();
-  const int warp = blockIdx.x * kPrepWarps + threadIdx.x / 32;
-  const int item = warp / kPrepWarpsPerItem;
-  if (item >= rows * KB) return;  // whole warps
-  const int r = item % rows, kb = item / rows;
-  quantize_row_block(x, K, r, kb, xq + size_t(kb) * xq_block, warp % kPrepWarpsPerItem);
+  const int a = blockIdx.x * kPrepThreads + threadIdx.x;
+  if (a >= rows * KB * 8) return;  // whole groups of 8 lanes (8 items per block of K)
+  const int j = a & 7, rk = a >> 3, r = rk / KB, kb = rk - r * KB;
+  uint32_t raw[16];
+  load_item(x + size_t(r) * K, K, aligned, kb * 256 + 32 * j, raw);
+  uint8_t* blk = xq + size_t(kb) * xq_block;
+  quantize_item(raw, j, 0xFFu << (threadIdx.x & 24), reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes) + r * 128,
+                reinterpret_cast<float2*>(blk) + r);
 }
 
 // quantize_x_in_block: one block quantizes x[K] in shared memory as the one-row kernel does, then
@@ -837,15 +841,22 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   if (p.nslots && options.xq) {
     if (!aligned16(options.xq)) fail("cuda::fused_linear_decode: quantized x not 16-byte aligned");
     p.xq = options.xq;
-  } else if (p.nslots) {
-    auto* scratch = static_cast<uint8_t*>(stream_scratch(ScratchUse::kQuantizedX, stream, quantized_x_bytes(rows, K)));
+  }
+  // Else x is quantized into a scratch buffer of this stream (calls on one stream reuse it in stream
+  // order): by the streaming kernel itself, or by a launch before the register kernel.
+  uint8_t* scratch = nullptr;
+  if (p.nslots && !options.xq) {
+    scratch = static_cast<uint8_t*>(stream_scratch(ScratchUse::kQuantizedX, stream, quantized_x_bytes(rows, K)));
     p.xq = scratch;
-    quantize_x(x, rows, K, scratch, stream);
+    if (!streaming) quantize_x(x, rows, K, scratch, stream);
   }
   if (streaming) {
     StreamArgs a{};
     a.w = w, a.N = N, a.K = K, a.x = x, a.rows = rows, a.deltas = deltas.data();
-    a.xq = p.nslots ? p.xq : nullptr;
+    if (scratch)
+      a.xq_scratch = scratch;
+    else if (p.nslots)
+      a.xq = p.xq;
     a.y = y, a.blocks = options.blocks, a.stages = options.stages;
     return fused_linear_stream(a, stream);
   }
@@ -859,9 +870,9 @@ size_t quantized_x_bytes(int rows, int K) { return size_t(sign_blocks(K)) * quan
 
 void quantize_x(const __nv_bfloat16* x, int rows, int K, uint8_t* xq, cudaStream_t stream) {
   if (rows < 1 || rows > kMaxDecodeRows || K < 1) fail("cuda::quantize_x: ", rows, " rows of ", K, " columns");
-  const int KB = sign_blocks(K), warps = rows * KB * kPrepWarpsPerItem;
-  launch_chained(prepare_x_kernel, dim3(unsigned((warps + kPrepWarps - 1) / kPrepWarps)), dim3(kPrepWarps * 32), 0,
-                 stream, x, rows, K, KB, xq, quantized_x_block(rows));
+  const int KB = sign_blocks(K), items = rows * KB * 8;
+  launch_chained(prepare_x_kernel, dim3(unsigned((items + kPrepThreads - 1) / kPrepThreads)), dim3(kPrepThreads), 0,
+                 stream, x, rows, K, KB, aligned16(x) && K % 8 == 0, xq, quantized_x_block(rows));
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 

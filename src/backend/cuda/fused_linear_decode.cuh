@@ -62,8 +62,8 @@ struct DecodeOptions {
   int rows_per_slot = 0;
   DecodeKernel kernel = DecodeKernel::kAuto;
   int stages = 0;  // kStream: ring stages (0 = as many as fit one block per multiprocessor)
-  // x already quantized by quantize_x (these rows, this K; device memory), or null: a launch before
-  // the kernel quantizes it. (Ignored where the register kernel takes more than 16 rows in two
+  // x already quantized by quantize_x (these rows, this K; device memory), or null: kStream quantizes
+  // it in its blocks, the register kernel after a launch that does. (Ignored where the register kernel takes more than 16 rows in two
   // launches, and by kBalanced, which quantizes its one row of x in each block's shared memory.)
   const uint8_t* xq = nullptr;
   // kStream: its grid's blocks on equal ranges of (64-row tile, 256-column block) units, at most the
@@ -84,8 +84,8 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
 // DecodeOptions::xq passes its result.
 size_t quantized_x_bytes(int rows, int K);
 void quantize_x(const __nv_bfloat16* x, int rows, int K, uint8_t* xq, cudaStream_t stream);
-// One row quantized the way kBalanced does it, in one block's shared memory (a transpose instead of
-// quantize_x's ballots), copied out in quantize_x's layout: the same bytes (tests compare them).
+// One row quantized the way kBalanced does it, in one block's shared memory, copied out in
+// quantize_x's layout: the same bytes (tests compare them).
 void quantize_x_in_block(const __nv_bfloat16* x, int K, uint8_t* xq, cudaStream_t stream);
 
 // The k_split that the register kernel chooses for N output rows and `rows` rows of x (before slot

@@ -8,6 +8,7 @@
 
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
+#include "fused_linear_decode.cuh"
 #include "launch.cuh"
 #include "packed_signs.h"
 #include "stream_scratch.cuh"
@@ -33,7 +34,14 @@ constexpr int kMaxStages = 8;
 struct StreamParams {
   CUtensorMap w, x;
   CUtensorMap signs[kMaxStreamVariants];  // per distinct variant
-  const uint8_t* xq;
+  uint8_t* xq;
+  // With quantize: the kernel quantizes x into xq first (xg: x),
+  // block b taking 256-column blocks b, b + blocks, …, and then sets ready[kb] = epoch (one word per
+  // block of K, a value no earlier launch on this stream used; see the kernel).
+  const __nv_bfloat16* xg;
+  unsigned long long* ready;
+  unsigned long long epoch;
+  int quantize, K;
   float* y;
   // Where the two sums of a tile cut between two blocks meet: one word per row of x and tile row,
   // [tile][row][64], zero between launches (see the kernel).
@@ -91,6 +99,24 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[BN / 2], uint64_t da, uint64
         : "l"(da), "l"(db), "n"(Accumulate ? 1 : 0));
 }
 
+// x's 256-column blocks b, b + blocks, … (b: this block) quantized into xq as prepare_x does (a thread
+// per row of x and 32 columns: quantize_item), by threads t = 0..n − 1 of the calling ones (n and
+// their first thread's index multiples of 32); the caller then synchronizes them and publishes the
+// blocks (StreamParams::ready).
+__device__ __forceinline__ void quantize_blocks(const __nv_bfloat16* x, int K, int rows, int KB, int blocks, uint8_t* xq,
+                                             int xq_block, int t, int n) {
+  for (int kb = blockIdx.x; kb < KB; kb += blocks)
+    for (int it = t; it < rows * 8; it += n) {  // whole groups of 8 lanes
+      const int r = it >> 3, j = it & 7;
+      uint32_t raw[16];
+      load_item(x + size_t(r) * K, K, true, kb * 256 + 32 * j, raw);  // aligned: operands_fit
+      uint8_t* blk = xq + size_t(kb) * xq_block;
+      quantize_item(raw, j, 0xFFu << (threadIdx.x & 24), reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes) + r * 128,
+                    reinterpret_cast<float2*>(blk) + r);
+    }
+  fence_proxy_async_global();  // the writes, before other blocks' copies read them
+}
+
 #endif
 
 // Persistent: block b takes the range [units·b / blocks, units·(b + 1) / blocks) of the (64-row tile,
@@ -100,8 +126,12 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[BN / 2], uint64_t da, uint64
 // producer's ring runs on across pieces, so a piece's first copies fly while the last one's epilogue
 // runs. A piece's sums go to shared memory (two buffers, in turn), then to y: a whole tile's are
 // stored, a cut tile's meet the other block's by exchange, with no wait (write_piece). W and the
-// signs of the first stages are issued before the wait for the kernel before (launch.cuh); x and its
-// bit-planes after it.
+// signs of the first stages are issued before the wait for the kernel before (launch.cuh); x after
+// it. x's bit-planes: with `quantize`, the consumers of block b first quantize x's 256-column blocks
+// b, b + blocks, … into xq (quantize_blocks) and publish each (ready[kb] = epoch, released), and the
+// producer's warp waits until every block of K is published before it copies any; blocks ≤
+// multiprocessors, so all are resident and no wait is circular. (Until part 19 a launch before,
+// prepare_x, quantized x: the linear then waited for two kernels to finish, not one.)
 // (Until part 17 the tiles left over after whole ones were split in up to 8 parts that met through
 // memory in part order, early parts released with a count, final parts waiting for it: NOTES.md.)
 // BN: rows of x per tile (8, 16 or 32, the wgmma's N; rows past `rows` are zero-filled by the TMA).
@@ -191,11 +221,15 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     for (int c = 0; c < 4; ++c) tma_2d(st + c * (kBM * 128), &p.w, k0 + 64 * c, n0, full);
     for (int v = 0; v < p.nvar; ++v) tma_3d(st + sgn_off + v * kSignTile, &p.signs[v], 0, kb, n0 / 16, full);
   };
-  const auto issue_activations = [&](int it, int kb) {
+  const auto issue_x = [&](int it, int kb) {
     const int slot = it % S, k0 = kb * kBK;
     const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
 #pragma unroll
     for (int c = 0; c < 4; ++c) tma_2d(st + kWStage + c * (BN * 128), &p.x, k0 + 64 * c, 0, full);
+  };
+  const auto issue_xq = [&](int it, int kb) {
+    const int slot = it % S;
+    const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
     if (p.nvar > 0) tma_1d(st + xq_off, p.xq + size_t(kb) * p.xq_block, uint32_t(p.xq_block), full);
   };
   // Calls f(it, n0, kb) for the block's ring stages it in [from, to).
@@ -212,18 +246,37 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
 
   if (tid >= kConsumers) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    if (tid == kConsumers) {
-      for_stages(0, S, [&](int it, int, int kb) { issue_activations(it, kb); });
-      for_stages(S, 1 << 30, [&](int it, int n0, int kb) {
-        mbar_wait(empty0 + 8 * (it % S), ((it / S) & 1) ^ 1);
-        issue_weights(it, n0, kb);
-        issue_activations(it, kb);
-      });
-      STREAM_TRACE(true, kTraceIssued);
+    if (tid < kConsumers + 32) {  // the producer's warp
+      const bool lead = tid == kConsumers;
+      if (lead) for_stages(0, S, [&](int it, int, int kb) { issue_x(it, kb); });
+      if (p.quantize && p.nvar > 0) {
+        // Every block's x blocks quantized (below): the warp polls the words together.
+        for (int kb = tid - kConsumers; kb < p.KB; kb += 32)
+          while (ld_acquire_u64(p.ready + kb) != p.epoch) {
+          }
+        __syncwarp();
+        fence_proxy_async_global();  // the generic writes seen, before the copies read them
+      }
+      if (lead) {
+        for_stages(0, S, [&](int it, int, int kb) { issue_xq(it, kb); });
+        for_stages(S, 1 << 30, [&](int it, int n0, int kb) {
+          mbar_wait(empty0 + 8 * (it % S), ((it / S) & 1) ^ 1);
+          issue_weights(it, n0, kb);
+          issue_x(it, kb);
+          issue_xq(it, kb);
+        });
+        STREAM_TRACE(true, kTraceIssued);
+      }
     }
     __syncwarp();
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+    if (p.quantize && p.nvar > 0) {  // x's blocks of this block (quantize_blocks), then published
+      quantize_blocks(p.xg, p.K, p.rows, p.KB, p.blocks, p.xq, p.xq_block, tid, kConsumers);
+      consumers_sync<kConsumers>();
+      if (tid == 0)
+        for (int kb = blockIdx.x; kb < p.KB; kb += p.blocks) st_release_u64(p.ready + kb, p.epoch);
+    }
     // Warpgroup 0: the base on wgmma and delta rows [0, H); warpgroup 1: delta rows [H, ND). A warp's
     // 16 rows of the tile are 16·(warp % 4)... in both.
     const int wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -415,6 +468,17 @@ CUtensorMap tensor_map(MapKind kind, const void* ptr, int N, int K) {
   return map;
 }
 
+// A value for the ready words (StreamParams) that no launch before on this stream has written: a count
+// per device and stream from 1 (new words are zero), 64 bits so that it never wraps.
+unsigned long long next_epoch(cudaStream_t stream) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, unsigned long long> counts;
+  int dev = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard lock(mutex);
+  return ++counts[{dev, stream}];
+}
+
 // The grid: one block per multiprocessor, each taking an equal range of the tiles·KB units. Ranges of
 // whole tiles where that loads the busiest block at most 5% above the average (as the one-row kernel,
 // fused_linear_decode.cu); else ranges of units, which hold at least KB units when blocks ≤ tiles, so
@@ -483,7 +547,7 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   p.N = a.N;
   p.KB = sign_blocks(a.K);
   p.rows = a.rows;
-  p.xq = a.xq;
+  p.xq = const_cast<uint8_t*>(a.xq);  // read only where quantize = 0
   p.y = a.y;
   p.w = tensor_map(MapKind::kW, a.w, a.N, a.K);
   p.x = tensor_map(BN == 8 ? MapKind::kX8 : BN == 16 ? MapKind::kX16 : MapKind::kX32, a.x, a.rows, a.K);
@@ -507,7 +571,6 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
     p.alpha_per_row[p.nd] = d.alpha_per_row ? 1 : 0;
     ++p.nd;
   }
-  if (p.nd > 0 && !a.xq) fail("cuda::fused_linear_stream: rows with a delta but no quantized x");
   p.xq_block = quantized_x_block(a.rows);
   p.tx_bytes = kWStage + 4 * BN * 128 + p.nvar * kSignTile + (p.nvar ? p.xq_block : 0);
   p.stage_bytes = (p.tx_bytes + 1023) / 1024 * 1024;
@@ -520,6 +583,21 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   p.units = tiles * p.KB;
   p.blocks = grid.blocks;
   p.whole = grid.whole;
+  if (p.nd > 0 && !a.xq == !a.xq_scratch)
+    fail("cuda::fused_linear_stream: rows with a delta need x quantized or a buffer to quantize it into");
+  if (p.nd > 0 && a.xq_scratch) {
+    p.xq = a.xq_scratch;
+    if (p.blocks <= info.sms) {  // x quantized by the blocks, which wait for each other: all resident
+      p.quantize = 1;
+      p.xg = a.x;
+      p.K = a.K;
+      p.ready = static_cast<unsigned long long*>(
+          stream_scratch(ScratchUse::kStreamXReady, stream, size_t(p.KB) * sizeof(unsigned long long), true));
+      p.epoch = next_epoch(stream);
+    } else {  // a grid asked for (tests) larger than one block per multiprocessor
+      quantize_x(a.x, a.rows, a.K, a.xq_scratch, stream);
+    }
+  }
   if (!grid.whole)  // where cut tiles' sums meet (zero between launches)
     p.meet = static_cast<unsigned long long*>(stream_scratch(
         ScratchUse::kStreamMeet, stream, size_t(tiles) * a.rows * kBM * sizeof(unsigned long long), true));

@@ -7,8 +7,9 @@
 // block) units: whole tiles, and where that is uneven, a tile cut between two blocks whose sums meet
 // in memory by exchange. One producer thread streams, per block, W's 64 × 256 tile, x's rows and
 // each distinct variant's 64 × 256 sign bits (2 KB, the packed layout of packed_signs.h) with the
-// tensor memory accelerator into a ring of shared-memory stages, and, once the launch that quantizes
-// x has finished, x's bit-planes. Two consumer warpgroups: the first computes W·xᵀ with wgmma (both
+// tensor memory accelerator into a ring of shared-memory stages, and x's bit-planes, which the
+// blocks first make themselves (each a share of x's 256-column blocks, published to the others
+// through memory). Two consumer warpgroups: the first computes W·xᵀ with wgmma (both
 // operands in shared memory: no instruction touches W's bytes); both share the rows' delta terms on
 // the 1-bit mma (fused_linear_decode.cuh). The bytes still decide it: W once per launch, each
 // variant's bits once.
@@ -31,7 +32,10 @@ struct StreamArgs {
   const __nv_bfloat16* x = nullptr;
   int rows = 0;
   const DeltaRef* deltas = nullptr;  // per row (host array of device pointers; packed signs)
-  const uint8_t* xq = nullptr;       // x quantized by prepare_x (quantized_x_block), if any row has a delta
+  // If any row has a delta, one of: x quantized before (quantize_x), or a buffer of this stream
+  // (quantized_x_bytes) that the kernel quantizes x into before it uses it.
+  const uint8_t* xq = nullptr;
+  uint8_t* xq_scratch = nullptr;
   float* y = nullptr;                // [rows, N]
   int blocks = 0;                    // > 0: that many blocks on equal ranges of units (at most the tiles, or twice)
   int stages = 0;                    // 0 = as many as fit

@@ -12,6 +12,7 @@ enum class ScratchUse {
   kQuantizedX,          // fused_linear_decode: x's rows quantized for the delta term
   kDecodeMeet,          // the balanced one-row decode kernel: where the two sums of a cut tile's row meet
   kStreamMeet,          // the streaming decode kernel: where the two sums of a cut tile meet
+  kStreamXReady,        // ... which of x's quantized blocks are written, per launch
   kAttentionParts,      // attention over positions split over blocks: the parts
   kAttentionCounters,   // ... and their arrival counters
   kPromptQuery,         // attention of a prompt run on GEMMs: its queries in bf16 (high and low parts)
