@@ -688,12 +688,8 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_x_kernel(const __nv_bflo
   pdl_wait();
   const int a = blockIdx.x * kPrepThreads + threadIdx.x;
   if (a >= rows * KB * 8) return;  // whole groups of 8 lanes (8 items per block of K)
-  const int j = a & 7, rk = a >> 3, r = rk / KB, kb = rk - r * KB;
-  uint32_t raw[16];
-  load_item(x + size_t(r) * K, K, aligned, kb * 256 + 32 * j, raw);
-  uint8_t* blk = xq + size_t(kb) * xq_block;
-  quantize_item(raw, j, 0xFFu << (threadIdx.x & 24), reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes) + r * 128,
-                reinterpret_cast<float2*>(blk) + r);
+  const int rk = a >> 3, r = rk / KB;
+  quantize_x_item(x, K, aligned, r, rk - r * KB, a & 7, xq, xq_block);
 }
 
 // quantize_x_in_block: one block quantizes x[K] in shared memory as the one-row kernel does, then
@@ -838,14 +834,13 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   // The rows of x quantized for the delta term go to a scratch buffer of this stream (calls on one
   // stream reuse it in stream order).
   p.xq_block = quantized_x_block(rows);
-  if (p.nslots && options.xq) {
-    if (!aligned16(options.xq)) fail("cuda::fused_linear_decode: quantized x not 16-byte aligned");
-    p.xq = options.xq;
-  }
   // Else x is quantized into a scratch buffer of this stream (calls on one stream reuse it in stream
   // order): by the streaming kernel itself, or by a launch before the register kernel.
   uint8_t* scratch = nullptr;
-  if (p.nslots && !options.xq) {
+  if (p.nslots && options.xq) {
+    if (!aligned16(options.xq)) fail("cuda::fused_linear_decode: quantized x not 16-byte aligned");
+    p.xq = options.xq;
+  } else if (p.nslots) {
     scratch = static_cast<uint8_t*>(stream_scratch(ScratchUse::kQuantizedX, stream, quantized_x_bytes(rows, K)));
     p.xq = scratch;
     if (!streaming) quantize_x(x, rows, K, scratch, stream);

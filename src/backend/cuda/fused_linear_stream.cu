@@ -35,9 +35,9 @@ struct StreamParams {
   CUtensorMap w, x;
   CUtensorMap signs[kMaxStreamVariants];  // per distinct variant
   uint8_t* xq;
-  // With quantize: the kernel quantizes x into xq first (xg: x),
-  // block b taking 256-column blocks b, b + blocks, …, and then sets ready[kb] = epoch (one word per
-  // block of K, a value no earlier launch on this stream used; see the kernel).
+  // With quantize: the kernel quantizes x (xg) into xq first, block b taking 256-column blocks b,
+  // b + blocks, …, and then sets ready[kb] = epoch (one word per block of K, a value no earlier launch
+  // on this stream used; see the kernel).
   const __nv_bfloat16* xg;
   unsigned long long* ready;
   unsigned long long epoch;
@@ -106,14 +106,8 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[BN / 2], uint64_t da, uint64
 __device__ __forceinline__ void quantize_blocks(const __nv_bfloat16* x, int K, int rows, int KB, int blocks, uint8_t* xq,
                                              int xq_block, int t, int n) {
   for (int kb = blockIdx.x; kb < KB; kb += blocks)
-    for (int it = t; it < rows * 8; it += n) {  // whole groups of 8 lanes
-      const int r = it >> 3, j = it & 7;
-      uint32_t raw[16];
-      load_item(x + size_t(r) * K, K, true, kb * 256 + 32 * j, raw);  // aligned: operands_fit
-      uint8_t* blk = xq + size_t(kb) * xq_block;
-      quantize_item(raw, j, 0xFFu << (threadIdx.x & 24), reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes) + r * 128,
-                    reinterpret_cast<float2*>(blk) + r);
-    }
+    for (int it = t; it < rows * 8; it += n)  // whole groups of 8 lanes; aligned: operands_fit
+      quantize_x_item(x, K, true, it >> 3, kb, it & 7, xq, xq_block);
   fence_proxy_async_global();  // the writes, before other blocks' copies read them
 }
 
