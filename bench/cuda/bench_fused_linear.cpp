@@ -10,7 +10,8 @@
 // [N K ...] case c' (8–48 rows of one variant) only; --quick the first shape; --profile [N K],
 // --profile-prefill [N K [rows]] few reps (for ncu);
 // --tile-read [N K ...] the streaming kernel's TMA ring alone in several stage geometries (tile_read.h);
-// --stream-trace [N K ...] the streaming kernel's per-block timeline (a BITDELTA_STREAM_TRACE build).
+// --stream-trace [N K ...] the streaming kernel's per-block timeline (a BITDELTA_STREAM_TRACE build), also
+// with x quantized before and with parts of its work knocked out (stream_knockout).
 // Timing: CUDA events around each call, warm-up, median of many reps; every rep uses the next of
 // several weight/sign buffer sets so that the 60 MB L2 never serves them; data random (never
 // zeros). The device-to-device copy bandwidth (read + write) is measured in the same run: the
@@ -233,7 +234,8 @@ void trace_stream(const std::string& shape, const std::string& what, const std::
   std::printf("%-12s trace %-20s %s; first stage %.2f, last copy issued %.2f; epilogue %s (pieces before the last), "
               "%.2f (last pieces)\n",
               shape.c_str(), what.c_str(), stats.summary().c_str(), median(first), median(issued),
-              (epi.empty() ? std::string("-") : std::to_string(median(epi)).substr(0, 4)).c_str(), median(epi_last));
+              (epi.empty() ? std::string("-") : std::to_string(median(epi)).substr(0, 4)).c_str(),
+              epi_last.empty() ? 0.0 : median(epi_last));  // (none: a knockout without the epilogue)
   stats.print_sm_spread(shape, what);
 #else
   (void)fn;
@@ -395,20 +397,44 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   }
   if (one_row_only) return;
   if (trace_only) {  // --stream-trace: the streaming kernel's timeline at 16 rows (16 variants, none) and 32 rows
-    const auto b16 = [&](int s, bool with_deltas) {
+    // x quantized before (by an earlier launch: the kernel's own quantization off), for 16 and 32 rows.
+    DeviceMem xq16(bcuda::quantized_x_bytes(kVariants, K)), xq32(bcuda::quantized_x_bytes(32, K));
+    bcuda::quantize_x(X, kVariants, K, static_cast<uint8_t*>(xq16.ptr), nullptr);
+    bcuda::quantize_x(X, 32, K, static_cast<uint8_t*>(xq32.ptr), nullptr);
+    const auto b16 = [&](int s, bool with_deltas, bool before = false) {
       DeltaRef d[kVariants] = {};
       if (with_deltas)
         for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v);
-      bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, {0, 0, kStream});
+      bcuda::DecodeOptions o{0, 0, kStream};
+      if (before) o.xq = static_cast<const uint8_t*>(xq16.ptr);
+      bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, o);
     };
-    const auto e32 = [&](int s) {
+    const auto e32 = [&](int s, bool before = false) {
       DeltaRef d[32];
       for (int r = 0; r < 32; ++r) d[r] = delta(s, r * 14 / 32);
-      bcuda::fused_linear_decode(W(s), N, K, X, 32, {d, 32}, Y, nullptr, {0, 0, kStream});
+      bcuda::DecodeOptions o{0, 0, kStream};
+      if (before) o.xq = static_cast<const uint8_t*>(xq32.ptr);
+      bcuda::fused_linear_decode(W(s), N, K, X, 32, {d, 32}, Y, nullptr, o);
     };
     trace_stream(shape, "16 rows 16 variants", [&](int s) { b16(s, true); });
     trace_stream(shape, "16 rows base", [&](int s) { b16(s, false); });
-    trace_stream(shape, "32 rows 14 variants", e32);
+    trace_stream(shape, "32 rows 14 variants", [&](int s) { e32(s); });
+    trace_stream(shape, "16r16v x before", [&](int s) { b16(s, true, true); });
+    trace_stream(shape, "32r14v x before", [&](int s) { e32(s, true); });
+#ifdef BITDELTA_STREAM_TRACE
+    // Knockouts (wrong results; fused_linear_stream.cuh): what each part of the work costs.
+    const std::pair<int, const char*> knocks[] = {{bcuda::kKnockWrite, "no write"},
+                                                  {bcuda::kKnockEpilogue, "no epilogue"},
+                                                  {bcuda::kKnockDelta, "no delta mma"},
+                                                  {bcuda::kKnockXCopies, "no x copies"},
+                                                  {bcuda::kKnockXCopies | bcuda::kKnockDelta, "no x, no delta"}};
+    for (const auto& [bits, name] : knocks) {
+      bcuda::stream_knockout(bits);
+      trace_stream(shape, std::string("16r16v ") + name, [&](int s) { b16(s, true); });
+      trace_stream(shape, std::string("32r14v ") + name, [&](int s) { e32(s); });
+    }
+    bcuda::stream_knockout(0);
+#endif
     trace_floor(shape, "floor: W + 16 signs", [&](int s) {
       std::vector<ReadRegion> r{{W(s), wbytes}};
       for (int v = 0; v < kVariants; ++v) r.push_back({delta(s, v).signs, sbytes});

@@ -23,8 +23,10 @@ constexpr int kMaxRows = 32;     // rows of x per launch
 constexpr int kConsumers = 256;  // two warpgroups
 constexpr int kThreads = kConsumers + 128;  // + a producer warpgroup (one thread issues the copies)
 // Registers per thread (setmaxnreg): the consumers take what the producer warpgroup does not need.
-constexpr int kProducerRegs = 40, kConsumerRegs = 232;
-static_assert(kConsumers * kConsumerRegs + 128 * kProducerRegs <= 65536);
+// setmaxnreg only moves registers within the block's allocation at launch (168 per thread), and an
+// increase waits until they are free: more in all than that hangs the block (run 201).
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8, kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(kConsumers * kConsumerRegs + 128 * kProducerRegs <= kThreads * kLaunchRegs);
 constexpr int kWStage = kBM * kBK * 2;     // W's bytes per stage: 4 swizzled chunks of 64 × 64
 constexpr int kSignTile = kBM / 16 * 512;  // one variant's sign bits per stage
 constexpr int kMaxStages = 8;
@@ -53,6 +55,9 @@ struct StreamParams {
   // Units: (64-row tile, 256-column block), tiles·KB of them in tile order; block b takes the range
   // [units·b / blocks, units·(b + 1) / blocks), in whole tiles when `whole`.
   int N, KB, rows, nvar, nd, units, blocks, whole, stages, stage_bytes, tx_bytes, xq_block;
+#ifdef BITDELTA_STREAM_TRACE
+  int knock;  // StreamKnock bits (fused_linear_stream.cuh)
+#endif
 };
 
 #ifdef BITDELTA_STREAM_TRACE
@@ -147,6 +152,11 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+#ifdef BITDELTA_STREAM_TRACE
+  const int knock = p.knock;
+#else
+  constexpr int knock = 0;
+#endif
   const int S = p.stages;
   float* red0 = reinterpret_cast<float*>(smem + S * p.stage_bytes);  // [2][BN][64]: pieces' sums, in turn
   const uint32_t full0 = smem_addr(red0 + 2 * kBM * BN), empty0 = full0 + 8 * S;
@@ -216,12 +226,14 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     for (int v = 0; v < p.nvar; ++v) tma_3d(st + sgn_off + v * kSignTile, &p.signs[v], 0, kb, n0 / 16, full);
   };
   const auto issue_x = [&](int it, int kb) {
+    if (knock & 2) return;
     const int slot = it % S, k0 = kb * kBK;
     const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
 #pragma unroll
     for (int c = 0; c < 4; ++c) tma_2d(st + kWStage + c * (BN * 128), &p.x, k0 + 64 * c, 0, full);
   };
   const auto issue_xq = [&](int it, int kb) {
+    if (knock & 2) return;
     const int slot = it % S;
     const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
     if (p.nvar > 0) tma_1d(st + xq_off, p.xq + size_t(kb) * p.xq_block, uint32_t(p.xq_block), full);
@@ -326,18 +338,20 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           }
           const uint8_t* xq = st + xq_off;
+          if (!(knock & 4)) {
 #pragma unroll
-          for (int d = 0; d < DN; ++d) {
-            // Opaque per stage, so that the rows' offsets are read again (from the parameters) rather
-            // than held in registers across the loop (with 32 rows they spilled).
-            int dd = D0 + d;
-            asm volatile("" : "+r"(dd));
-            const int row = row_of(dd);
-            const uint4 a = *reinterpret_cast<const uint4*>(st + lane_sgn + var_of(dd) * kSignTile);
-            const uint4 b = *reinterpret_cast<const uint4*>(xq + kQuantizedPlanes + row * 512 + lane * 16);
-            const float2 sc = *reinterpret_cast<const float2*>(xq + row * 8);
-            delta_block(a, b, sc.x, pw, dacc[d]);
-            sq[d] += sc.x * sc.y;
+            for (int d = 0; d < DN; ++d) {
+              // Opaque per stage, so that the rows' offsets are read again (from the parameters) rather
+              // than held in registers across the loop (with 32 rows they spilled).
+              int dd = D0 + d;
+              asm volatile("" : "+r"(dd));
+              const int row = row_of(dd);
+              const uint4 a = *reinterpret_cast<const uint4*>(st + lane_sgn + var_of(dd) * kSignTile);
+              const uint4 b = *reinterpret_cast<const uint4*>(xq + kQuantizedPlanes + row * 512 + lane * 16);
+              const float2 sc = *reinterpret_cast<const float2*>(xq + row * 8);
+              delta_block(a, b, sc.x, pw, dacc[d]);
+              sq[d] += sc.x * sc.y;
+            }
           }
           if constexpr (kBase) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
           mbar_arrive(empty0 + 8 * slot);
@@ -353,6 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         // Two buffers in turn (pieces are of consecutive tiles): piece i + 2 writes this one after every
         // thread has passed piece i + 1's first barrier, so after its reads here; no barrier is needed
         // after them.
+        if (knock & 8) return true;
         float* red = red0 + ((T - T0) & 1) * (BN * kBM);
         if constexpr (kBase) {
 #pragma unroll
@@ -374,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
             if (t == 0 && dd < p.nd) red[p.drow[dd] * kBM + nl] += al[d][h] * (2.0f * v - sq[d]);
           }
         consumers_sync<kConsumers>();
-        write_piece(red, T, nst < p.KB);
+        if (!(knock & 1)) write_piece(red, T, nst < p.KB);
         STREAM_TRACE(tid == 0 && T - T0 < kTracePieces, kTracePiece + 2 * (T - T0) + 1);
         return true;
       });
@@ -508,6 +523,11 @@ std::vector<unsigned long long> stream_trace_take() {
   BITDELTA_CUDA_CHECK(cudaMemcpyToSymbol(g_stream_trace, zero.data(), zero.size() * sizeof(zero[0])));
   return v;
 }
+
+namespace {
+int g_knock = 0;
+}
+void stream_knockout(int bits) { g_knock = bits; }
 #endif
 
 // TMA row strides of 16 bytes, and 16-byte aligned tensors.
@@ -568,6 +588,10 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   p.xq_block = quantized_x_block(a.rows);
   p.tx_bytes = kWStage + 4 * BN * 128 + p.nvar * kSignTile + (p.nvar ? p.xq_block : 0);
   p.stage_bytes = (p.tx_bytes + 1023) / 1024 * 1024;
+#ifdef BITDELTA_STREAM_TRACE
+  p.knock = g_knock;  // (the stages keep their layout; only the bytes each waits for change)
+  if (p.knock & kKnockXCopies) p.tx_bytes -= 4 * BN * 128 + (p.nvar ? p.xq_block : 0);
+#endif
   const int fixed = 1024 + 2 * kBM * BN * 4 + 16 * kMaxStages;  // alignment, red (two), the barriers
   p.stages = std::min(kMaxStages, (info.smem_optin - fixed) / p.stage_bytes);
   if (a.stages > 0) p.stages = std::min(p.stages, a.stages);
