@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     // Warpgroup 0 also holds the base's accumulators: it takes 3/8 of 8 or 16 delta rows, and half of
     // 32. (Half of 32 against 12, runs 204 and 206: the mixed batch-32 decode step 0.8% faster; 32 rows
     // of 14 variants 1.2–5% faster at 11008 × 4096 and 28672 × 8192, up to 1.6% slower at the other
-    // three shapes. Half of 16 was up to 1.2% slower, and 14 of 32 no better than 12.)
+    // three shapes. Half of 16 was up to 1.5% slower, and 14 of 32 no better than 12.)
     constexpr int H = ND <= 4 ? (ND + 1) / 2 : ND == 32 ? 16 : ND * 3 / 8;
     int pw[4];
     plane_weights(t, pw);
