@@ -20,12 +20,17 @@ namespace {
 constexpr int kBM = 64;          // output rows per tile: wgmma's M for one warpgroup
 constexpr int kBK = 256;         // columns per stage: one packed sign block
 constexpr int kMaxRows = 32;     // rows of x per launch
-constexpr int kConsumers = 256;  // two warpgroups
-constexpr int kThreads = kConsumers + 128;  // + a producer warpgroup (one thread issues the copies)
+// Three consumer warpgroups (two until part 20: the 32-row kernel is bound by its consumers, and a third
+// made the mixed batch-32 decode step 3% faster, run 207), and a producer warpgroup (one thread issues
+// the copies).
+constexpr int kGroups = 3;
+constexpr int kConsumers = 128 * kGroups;
+constexpr int kThreads = kConsumers + 128;
 // Registers per thread (setmaxnreg): the consumers take what the producer warpgroup does not need.
-// setmaxnreg only moves registers within the block's allocation at launch (168 per thread), and an
-// increase waits until they are free: more in all than that hangs the block (run 201).
-constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8, kProducerRegs = 40, kConsumerRegs = 232;
+// setmaxnreg only moves registers within the block's allocation at launch (128 per thread: consumers
+// 152, producer 40), and an increase waits until they are free: more in all hangs the block (run 201).
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8, kProducerRegs = 40;
+constexpr int kConsumerRegs = (kThreads * kLaunchRegs - 128 * kProducerRegs) / kConsumers / 8 * 8;
 static_assert(kConsumers * kConsumerRegs + 128 * kProducerRegs <= kThreads * kLaunchRegs);
 constexpr int kWStage = kBM * kBK * 2;     // W's bytes per stage: 4 swizzled chunks of 64 × 64
 constexpr int kSignTile = kBM / 16 * 512;  // one variant's sign bits per stage
@@ -283,23 +288,22 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
       if (tid == 0)
         for (int kb = blockIdx.x; kb < p.KB; kb += p.blocks) st_release_u64(p.ready + kb, p.epoch);
     }
-    // Warpgroup 0: the base on wgmma and delta rows [0, H); warpgroup 1: delta rows [H, ND). A warp's
-    // 16 rows of the tile are 16·(warp % 4)... in both.
+    // Warpgroup 0: the base on wgmma and delta rows [0, H); warpgroups 1 and 2 share [H, ND). A warp's
+    // 16 rows of the tile are 16·(warp % 4)... in all. (With two warpgroups, the first took 3/8 of 8 or
+    // 16 delta rows and half of 32: runs 204 and 206.)
     const int wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    // Warpgroup 0 also holds the base's accumulators: it takes 3/8 of 8 or 16 delta rows, and half of
-    // 32. (Half of 32 against 12, runs 204 and 206: the mixed batch-32 decode step 0.8% faster; 32 rows
-    // of 14 variants 1.2–5% faster at 11008 × 4096 and 28672 × 8192, up to 1.6% slower at the other
-    // three shapes. Half of 16 was up to 1.5% slower, and 14 of 32 no better than 12.)
-    constexpr int H = ND <= 4 ? (ND + 1) / 2 : ND == 32 ? 16 : ND * 3 / 8;
+    constexpr int H = ND / kGroups;  // warpgroup 0's; the others share the rest
     int pw[4];
     plane_weights(t, pw);
     // Padded delta row d: its sign tile and row of x in a stage (the padding repeats delta row 0).
     const auto var_of = [&](int d) { return p.dvar[d < p.nd ? d : 0]; };
     const auto row_of = [&](int d) { return p.drow[d < p.nd ? d : 0]; };
     const int lane_sgn = sgn_off + (wq * 32 + lane) * 16;
-    // One warpgroup's work; kBase: warpgroup 0 (each form without a branch around its wgmma).
-    const auto consume = [&]<bool kBase>() {
-      constexpr int D0 = kBase ? 0 : H, DN = kBase ? H : ND - H;  // its delta rows [D0, D0 + DN)
+    // Warpgroup kG's work; kBase: warpgroup 0 (each form without a branch around its wgmma).
+    const auto consume = [&]<int kG>() {
+      constexpr bool kBase = kG == 0;
+      constexpr int D0 = kBase ? 0 : H + (ND - H) * (kG - 1) / (kGroups - 1);
+      constexpr int DN = kBase ? H : H + (ND - H) * kG / (kGroups - 1) - D0;  // its delta rows [D0, D0 + DN)
       // The ring's next stage: its slot and phase, running values (S is a parameter: a division per
       // stage otherwise).
       int slot = 0, phase = 0;
@@ -398,9 +402,11 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
       });
     };
     if (wg == 0)
-      consume.template operator()<true>();
+      consume.template operator()<0>();
+    else if (wg == 1)
+      consume.template operator()<1>();
     else
-      consume.template operator()<false>();
+      consume.template operator()<2>();
     STREAM_TRACE(tid == 0, kTraceDone);
   }
 #endif

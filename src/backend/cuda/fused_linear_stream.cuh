@@ -9,8 +9,8 @@
 // each distinct variant's 64 × 256 sign bits (2 KB, the packed layout of packed_signs.h) with the
 // tensor memory accelerator into a ring of shared-memory stages, and x's bit-planes, which the
 // blocks first make themselves (each a share of x's 256-column blocks, published to the others
-// through memory). Two consumer warpgroups: the first computes W·xᵀ with wgmma (both operands in
-// shared memory: no instruction touches W's bytes); both share the rows' delta terms on the 1-bit mma
+// through memory). Three consumer warpgroups: the first computes W·xᵀ with wgmma (both operands in
+// shared memory: no instruction touches W's bytes); all share the rows' delta terms on the 1-bit mma
 // (fused_linear_decode.cuh). The bytes still decide it: W once per launch, each variant's bits once.
 #pragma once
 
