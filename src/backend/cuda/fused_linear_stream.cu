@@ -401,6 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         return true;
       });
     };
+    static_assert(kGroups == 3, "the dispatch names each consumer warpgroup");
     if (wg == 0)
       consume.template operator()<0>();
     else if (wg == 1)
