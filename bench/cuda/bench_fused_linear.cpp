@@ -231,11 +231,14 @@ void trace_stream(const std::string& shape, const std::string& what, const std::
     first.push_back(median(f));
     issued.push_back(median(is));
   }
+  // "-": no such pieces (or, with the epilogue knocked out, none recorded).
+  const auto med = [](const std::vector<double>& v) {
+    return v.empty() ? std::string("-") : std::to_string(median(v)).substr(0, 4);
+  };
   std::printf("%-12s trace %-20s %s; first stage %.2f, last copy issued %.2f; epilogue %s (pieces before the last), "
-              "%.2f (last pieces)\n",
-              shape.c_str(), what.c_str(), stats.summary().c_str(), median(first), median(issued),
-              (epi.empty() ? std::string("-") : std::to_string(median(epi)).substr(0, 4)).c_str(),
-              epi_last.empty() ? 0.0 : median(epi_last));  // (none: a knockout without the epilogue)
+              "%s (last pieces)\n",
+              shape.c_str(), what.c_str(), stats.summary().c_str(), median(first), median(issued), med(epi).c_str(),
+              med(epi_last).c_str());
   stats.print_sm_spread(shape, what);
 #else
   (void)fn;

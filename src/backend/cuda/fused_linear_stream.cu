@@ -231,14 +231,14 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     for (int v = 0; v < p.nvar; ++v) tma_3d(st + sgn_off + v * kSignTile, &p.signs[v], 0, kb, n0 / 16, full);
   };
   const auto issue_x = [&](int it, int kb) {
-    if (knock & 2) return;
+    if (knock & kKnockXCopies) return;
     const int slot = it % S, k0 = kb * kBK;
     const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
 #pragma unroll
     for (int c = 0; c < 4; ++c) tma_2d(st + kWStage + c * (BN * 128), &p.x, k0 + 64 * c, 0, full);
   };
   const auto issue_xq = [&](int it, int kb) {
-    if (knock & 2) return;
+    if (knock & kKnockXCopies) return;
     const int slot = it % S;
     const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
     if (p.nvar > 0) tma_1d(st + xq_off, p.xq + size_t(kb) * p.xq_block, uint32_t(p.xq_block), full);
@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
           }
           const uint8_t* xq = st + xq_off;
-          if (!(knock & 4)) {
+          if (!(knock & kKnockDelta)) {
 #pragma unroll
             for (int d = 0; d < DN; ++d) {
               // Opaque per stage, so that the rows' offsets are read again (from the parameters) rather
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         // Two buffers in turn (pieces are of consecutive tiles): piece i + 2 writes this one after every
         // thread has passed piece i + 1's first barrier, so after its reads here; no barrier is needed
         // after them.
-        if (knock & 8) return true;
+        if (knock & kKnockEpilogue) return true;
         float* red = red0 + ((T - T0) & 1) * (BN * kBM);
         if constexpr (kBase) {
 #pragma unroll
@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
             if (t == 0 && dd < p.nd) red[p.drow[dd] * kBM + nl] += al[d][h] * (2.0f * v - sq[d]);
           }
         consumers_sync<kConsumers>();
-        if (!(knock & 1)) write_piece(red, T, nst < p.KB);
+        if (!(knock & kKnockWrite)) write_piece(red, T, nst < p.KB);
         STREAM_TRACE(tid == 0 && T - T0 < kTracePieces, kTracePiece + 2 * (T - T0) + 1);
         return true;
       });

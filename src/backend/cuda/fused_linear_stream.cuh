@@ -65,13 +65,14 @@ enum TraceEvent {
 std::vector<unsigned long long> stream_trace_take();
 // Knockouts, for the timeline only: the launches after this call skip these parts of their work, so
 // that a trace shows what each costs. Their results are wrong. 0 restores the kernel.
+void stream_knockout(int bits);
+#endif
+// The knockouts' parts (stream_knockout; other builds never skip any).
 enum StreamKnock {
   kKnockWrite = 1,     // a piece's sums not written to y (no stores, no exchange)
   kKnockXCopies = 2,   // x and its bit-planes not copied (the stages hold W and the signs only)
   kKnockDelta = 4,     // the consumers skip the delta rows' 1-bit mma
   kKnockEpilogue = 8,  // no epilogue at all: no barriers, no sums to shared memory, nothing written
 };
-void stream_knockout(int bits);
-#endif
 
 }  // namespace bitdelta::cuda
