@@ -831,11 +831,10 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     const RowPlan plan = plan_row(N, K, row_delta != nullptr);
     if (plan.valid) return launch_row(plan, w, N, K, x, row_delta, y, p.aligned, stream);
   }
-  // The rows of x quantized for the delta term go to a scratch buffer of this stream (calls on one
-  // stream reuse it in stream order).
+  // The rows of x quantized for the delta term: as the caller passed them, or else quantized into a
+  // scratch buffer of this stream (calls on one stream reuse it in stream order), by the streaming
+  // kernel itself or by a launch before the register kernel.
   p.xq_block = quantized_x_block(rows);
-  // Else x is quantized into a scratch buffer of this stream (calls on one stream reuse it in stream
-  // order): by the streaming kernel itself, or by a launch before the register kernel.
   uint8_t* scratch = nullptr;
   if (p.nslots && options.xq) {
     if (!aligned16(options.xq)) fail("cuda::fused_linear_decode: quantized x not 16-byte aligned");
