@@ -38,8 +38,7 @@ __global__ void __launch_bounds__(64) tile_read_kernel(const __grid_constant__ P
 #ifdef BITDELTA_FUSED_WGMMA
   using namespace bcuda;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem =
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = align_smem_1024(smem_raw);
   const uint32_t full0 = smem_addr(smem + p.S * p.stage_bytes), empty0 = full0 + 8 * p.S;
   const int grid = int(gridDim.x);
   if (threadIdx.x == 0) {

@@ -252,8 +252,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                       const float* __restrict__ alpha, int per_row, float* __restrict__ y, int N, int M) {
 #ifdef BITDELTA_FUSED_WGMMA
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem =
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = align_smem_1024(smem_raw);
   constexpr int S = T::kStages;
   uint8_t* w_tiles = smem;                      // [stage][BM rows][128 B], swizzled
   uint8_t* x_tiles = smem + S * T::kWBytes;     // [stage][BN rows][128 B], swizzled

@@ -155,8 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
 #endif
   constexpr int kXStage = 4 * BN * 128;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem =
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = align_smem_1024(smem_raw);
 #ifdef BITDELTA_STREAM_TRACE
   const int knock = p.knock;
 #else

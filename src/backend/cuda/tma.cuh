@@ -45,6 +45,13 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
 }
+// The dynamic shared memory `raw`, moved up to the next 1024-byte boundary (128-byte swizzled TMA
+// tiles need it). The offset is added to `raw` itself: rounding the address through an integer
+// loses the shared address space, and every later access through the result becomes a generic load
+// with 64-bit address arithmetic.
+__device__ __forceinline__ uint8_t* align_smem_1024(uint8_t* raw) {
+  return raw + ((1024u - (smem_addr(raw) & 1023u)) & 1023u);
+}
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
