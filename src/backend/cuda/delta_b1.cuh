@@ -42,6 +42,21 @@ __device__ __forceinline__ void delta_block(const uint4& a, const uint4& b, floa
   acc[1] += scale * float(pw[0] * lo[2] + pw[1] * lo[3] + pw[2] * hi[2] + pw[3] * hi[3]);
 }
 
+// delta_block with lane t's common plane weight 2^(2t) left out, for a caller that multiplies its
+// sums by it once at the end (plane_shift): the weights relative to it are 1, 2, 2^8 and ±2^9 (the
+// sign for t = 3, plane 15), so the weighted sum is (lo₀ + 2·lo₁) + 2^8·(hi₀ + s·hi₁), s = ±2 (sign2),
+// three integer operations per output where the full weights took four.
+__device__ __forceinline__ int sign2(int t) { return t == 3 ? -2 : 2; }
+__device__ __forceinline__ float plane_shift(int t) { return float(1 << (2 * t)); }
+__device__ __forceinline__ void delta_block_unshifted(const uint4& a, const uint4& b, float scale, int s2,
+                                                      float (&acc)[2]) {
+  int lo[4], hi[4];
+  mma_b1(lo, a, b.x, b.y);
+  mma_b1(hi, a, b.z, b.w);
+  acc[0] += scale * float((lo[0] + 2 * lo[1]) + ((hi[0] + s2 * hi[1]) << 8));
+  acc[1] += scale * float((lo[2] + 2 * lo[3]) + ((hi[2] + s2 * hi[3]) << 8));
+}
+
 // The quantized rows of x that prepare_x writes, per 256-column block: (scale, Σq) of each row as two
 // floats (room for 32 rows: 256 bytes), then each row's 32 lanes' B fragments (512 bytes per row).
 // A block is contiguous and 16-byte aligned: the streaming kernel copies it with one bulk copy.
