@@ -22,19 +22,21 @@ constexpr int kBK = 256;         // columns per stage: one packed sign block
 constexpr int kMaxRows = 32;     // rows of x per launch
 // Three consumer warpgroups (two until part 20: the 32-row kernel is bound by its consumers, and a third
 // made the mixed batch-32 decode step 3% faster, run 207), and a producer warpgroup (one thread issues
-// the copies).
+// the copies: one thread W and x, one the sign tiles and x's bit-planes).
 constexpr int kGroups = 3;
 constexpr int kConsumers = 128 * kGroups;
 constexpr int kThreads = kConsumers + 128;
 // Registers per thread (setmaxnreg): the consumers take what the producer warpgroup does not need.
 // setmaxnreg only moves registers within the block's allocation at launch (128 per thread: consumers
-// 152, producer 40), and an increase waits until they are free: more in all hangs the block (run 201).
-constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8, kProducerRegs = 40;
+// 152, producer 56, which its two copy threads need: at 40 they spilled), and an increase waits until
+// they are free: more in all hangs the block (run 201).
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8, kProducerRegs = 56;
 constexpr int kConsumerRegs = (kThreads * kLaunchRegs - 128 * kProducerRegs) / kConsumers / 8 * 8;
 static_assert(kConsumers * kConsumerRegs + 128 * kProducerRegs <= kThreads * kLaunchRegs);
 constexpr int kWStage = kBM * kBK * 2;     // W's bytes per stage: 4 swizzled chunks of 64 × 64
 constexpr int kSignTile = kBM / 16 * 512;  // one variant's sign bits per stage
 constexpr int kMaxStages = 8;
+constexpr int kFullW = 0, kEmptyW = 8, kFullD = 16, kEmptyD = 24;  // a slot's barriers (byte offsets)
 
 // A stage: [W: 4 chunks × 64 rows × 128 B][x: 4 chunks × BN rows × 128 B][signs: nvar × 2 KB]
 // [quantized x: one block of quantized_x_block(rows) bytes], 1024-byte aligned (the swizzle atoms).
@@ -59,7 +61,8 @@ struct StreamParams {
   int alpha_per_row[kMaxRows];
   // Units: (64-row tile, 256-column block), tiles·KB of them in tile order; block b takes the range
   // [units·b / blocks, units·(b + 1) / blocks), in whole tiles when `whole`.
-  int N, KB, rows, nvar, nd, units, blocks, whole, stages, stage_bytes, tx_bytes, xq_block;
+  // tx_w: a stage's bytes of W and x (the base's half); tx_d: of the sign tiles and x's bit-planes.
+  int N, KB, rows, nvar, nd, units, blocks, whole, stages, stage_bytes, tx_w, tx_d, xq_block;
 #ifdef BITDELTA_STREAM_TRACE
   int knock;  // StreamKnock bits (fused_linear_stream.cuh)
 #endif
@@ -82,6 +85,20 @@ __device__ __forceinline__ void trace_now(int event) {
 #else
 #define STREAM_TRACE(cond, event)
 #endif
+
+// Consumer warpgroup g's delta rows of ND: warpgroup 0 (which also runs the base) takes the first
+// H = ND / 3, warpgroups 1 and 2 share the rest (with none for warpgroup 0, 16 rows each spilled at 152
+// registers). group_first_row: its first; group_rows: how many.
+template <int ND>
+__host__ __device__ constexpr int group_first_row(int g) {
+  constexpr int H = ND / kGroups;
+  return g == 0 ? 0 : H + (ND - H) * (g - 1) / (kGroups - 1);
+}
+template <int ND>
+__host__ __device__ constexpr int group_rows(int g) {
+  constexpr int H = ND / kGroups;
+  return g == 0 ? H : H + (ND - H) * g / (kGroups - 1) - group_first_row<ND>(g);
+}
 
 #ifdef BITDELTA_FUSED_WGMMA
 // d (64 rows × BN columns of f32 per warpgroup) += A (desc: 64 × 16 of W) · B (desc: 16 × BN of xᵀ),
@@ -163,14 +180,22 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
 #endif
   const int S = p.stages;
   float* red0 = reinterpret_cast<float*>(smem + S * p.stage_bytes);  // [2][BN][64]: pieces' sums, in turn
-  const uint32_t full0 = smem_addr(red0 + 2 * kBM * BN), empty0 = full0 + 8 * S;
+  // Two rings over the same slots: a slot's W and x (kFullW / kEmptyW: warpgroup 0, the base) and its
+  // sign tiles and bit-planes (kFullD / kEmptyD: the warpgroups with delta rows) are refilled apart, by
+  // two producer threads, so that W, the most bytes, goes back to the producer once the base's wgmma
+  // is done rather than after every delta row of the slot (a ring of two stages at 16 and 32 rows:
+  // the consumers' time on a stage added to each refill's latency; part 21).
+  // Slot s's four barriers at bars + 32·s: kFullW, kEmptyW, kFullD, kEmptyD (one address per slot, the
+  // others at immediate offsets from it).
+  const uint32_t bars = smem_addr(red0 + 2 * kBM * BN);
+  constexpr int kDeltaArrivals = 128 * ((group_rows<ND>(0) > 0) + (group_rows<ND>(1) > 0) + (group_rows<ND>(2) > 0));
   // Per padded delta row d (the padding repeats delta row 0): the byte offsets of its sign tile in a
   // stage, of its row's bit-planes and of its row's (scale, Σq) in the quantized block. One 16-byte
   // load per row and stage, where the offsets read from the parameters took about a dozen
   // instructions (a select, two indexed constant loads, the multiplications). Alone it was up to 2%
   // slower; with delta_block_unshifted, 1-3% faster at 32 rows of 14 variants than either (runs
   // 209-210).
-  const uint32_t dtab = empty0 + 8 * S;  // int4[ND]
+  const uint32_t dtab = bars + 32 * S;  // int4[ND]
   const int sgn_off = kWStage + kXStage, xq_off = sgn_off + p.nvar * kSignTile;
   const int tid = threadIdx.x;
   const int per = p.whole ? p.KB : 1, items = p.units / per;
@@ -225,8 +250,12 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
   }
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, kConsumers);
+      mbar_init(bars + 32 * s + kFullW, 1);
+      mbar_init(bars + 32 * s + kEmptyW, 128);
+      if constexpr (ND > 0) {
+        mbar_init(bars + 32 * s + kFullD, 1);
+        mbar_init(bars + 32 * s + kEmptyD, kDeltaArrivals);
+      }
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -234,27 +263,34 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
   // The producer: per ring stage `it` (block kb of the tile at n0), W, x and the sign tiles, and x's
   // bit-planes. W and the signs are weights: those of the first S stages are issued before the wait for
   // the kernel before (launch.cuh), so that they stream into shared memory while it finishes; x and its
-  // bit-planes, written by kernels, after.
-  const auto issue_weights = [&](int it, int n0, int kb) {
+  // bit-planes, written by kernels, after. W and x complete the slot's kFullW barrier, the signs and
+  // bit-planes its kFullD; the producer warpgroup's first warp refills the former, its second warp
+  // (which also waits for x's quantized blocks) the latter.
+  const auto issue_w = [&](int it, int n0, int kb) {
     const int slot = it % S, k0 = kb * kBK;
-    const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
-    mbar_expect_tx(full, p.tx_bytes);
+    const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = bars + 32 * slot + kFullW;
+    mbar_expect_tx(full, p.tx_w);
 #pragma unroll
     for (int c = 0; c < 4; ++c) tma_2d(st + c * (kBM * 128), &p.w, k0 + 64 * c, n0, full);
+  };
+  const auto issue_signs = [&](int it, int n0, int kb) {
+    const int slot = it % S;
+    const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = bars + 32 * slot + kFullD;
+    mbar_expect_tx(full, p.tx_d);
     for (int v = 0; v < p.nvar; ++v) tma_3d(st + sgn_off + v * kSignTile, &p.signs[v], 0, kb, n0 / 16, full);
   };
   const auto issue_x = [&](int it, int kb) {
     if (knock & kKnockXCopies) return;
     const int slot = it % S, k0 = kb * kBK;
-    const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
+    const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = bars + 32 * slot + kFullW;
 #pragma unroll
     for (int c = 0; c < 4; ++c) tma_2d(st + kWStage + c * (BN * 128), &p.x, k0 + 64 * c, 0, full);
   };
   const auto issue_xq = [&](int it, int kb) {
     if (knock & kKnockXCopies) return;
     const int slot = it % S;
-    const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = full0 + 8 * slot;
-    if (p.nvar > 0) tma_1d(st + xq_off, p.xq + size_t(kb) * p.xq_block, uint32_t(p.xq_block), full);
+    const uint32_t st = smem_addr(smem + slot * p.stage_bytes), full = bars + 32 * slot + kFullD;
+    tma_1d(st + xq_off, p.xq + size_t(kb) * p.xq_block, uint32_t(p.xq_block), full);
   };
   // Calls f(it, n0, kb) for the block's ring stages it in [from, to).
   const auto for_stages = [&](int from, int to, auto&& f) {
@@ -265,31 +301,39 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
       return it < to;
     });
   };
-  if (tid == kConsumers) for_stages(0, S, issue_weights);
+  if (tid == kConsumers)
+    for_stages(0, S, [&](int it, int n0, int kb) {
+      issue_w(it, n0, kb);
+      if constexpr (ND > 0) issue_signs(it, n0, kb);
+    });
   pdl_wait();
 
   if (tid >= kConsumers) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    if (tid < kConsumers + 32) {  // the producer's warp
-      const bool lead = tid == kConsumers;
-      if (lead) for_stages(0, S, [&](int it, int, int kb) { issue_x(it, kb); });
-      if (p.quantize && p.nvar > 0) {
+    if (tid == kConsumers) {  // W and x: the first warp's first thread
+      for_stages(0, S, [&](int it, int, int kb) { issue_x(it, kb); });
+      for_stages(S, 1 << 30, [&](int it, int n0, int kb) {
+        mbar_wait(bars + 32 * (it % S) + kEmptyW, ((it / S) & 1) ^ 1);
+        issue_w(it, n0, kb);
+        issue_x(it, kb);
+      });
+      STREAM_TRACE(true, kTraceIssued);
+    } else if (ND > 0 && tid >= kConsumers + 32 && tid < kConsumers + 64) {  // the signs and bit-planes: the second warp
+      if (p.quantize) {
         // Every block's x blocks quantized (below): the warp polls the words together.
-        for (int kb = tid - kConsumers; kb < p.KB; kb += 32)
+        for (int kb = tid - kConsumers - 32; kb < p.KB; kb += 32)
           while (ld_acquire_u64(p.ready + kb) != p.epoch) {
           }
         __syncwarp();
         fence_proxy_async_global();  // the generic writes seen, before the copies read them
       }
-      if (lead) {
+      if (tid == kConsumers + 32) {
         for_stages(0, S, [&](int it, int, int kb) { issue_xq(it, kb); });
         for_stages(S, 1 << 30, [&](int it, int n0, int kb) {
-          mbar_wait(empty0 + 8 * (it % S), ((it / S) & 1) ^ 1);
-          issue_weights(it, n0, kb);
-          issue_x(it, kb);
+          mbar_wait(bars + 32 * (it % S) + kEmptyD, ((it / S) & 1) ^ 1);
+          issue_signs(it, n0, kb);
           issue_xq(it, kb);
         });
-        STREAM_TRACE(true, kTraceIssued);
       }
     }
     __syncwarp();
@@ -301,18 +345,16 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
       if (tid == 0)
         for (int kb = blockIdx.x; kb < p.KB; kb += p.blocks) st_release_u64(p.ready + kb, p.epoch);
     }
-    // Warpgroup 0: the base on wgmma and delta rows [0, H); warpgroups 1 and 2 share [H, ND). A warp's
-    // 16 rows of the tile are 16·(warp % 4)... in all. (With two warpgroups, the first took 3/8 of 8 or
-    // 16 delta rows and half of 32: runs 204 and 206.)
+    // Warpgroup 0: the base on wgmma and delta rows [0, H); warpgroups 1 and 2 share [H, ND)
+    // (group_rows). A warp's 16 rows of the tile are 16·(warp % 4)... in all. (With two warpgroups, the
+    // first took 3/8 of 8 or 16 delta rows and half of 32: runs 204 and 206.)
     const int wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    constexpr int H = ND / kGroups;  // warpgroup 0's; the others share the rest
     const int s2 = sign2(t);
     const int lane_sgn = (wq * 32 + lane) * 16;
     // Warpgroup kG's work; kBase: warpgroup 0 (each form without a branch around its wgmma).
     const auto consume = [&]<int kG>() {
       constexpr bool kBase = kG == 0;
-      constexpr int D0 = kBase ? 0 : H + (ND - H) * (kG - 1) / (kGroups - 1);
-      constexpr int DN = kBase ? H : H + (ND - H) * kG / (kGroups - 1) - D0;  // its delta rows [D0, D0 + DN)
+      constexpr int D0 = group_first_row<ND>(kG), DN = group_rows<ND>(kG);  // its delta rows [D0, D0 + DN)
       // The ring's next stage: its slot and phase, running values (S is a parameter: a division per
       // stage otherwise).
       int slot = 0, phase = 0;
@@ -335,10 +377,11 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         // Stage: W·xᵀ on wgmma (16 steps of k16), the delta rows' 1-bit mma from the same stage while
         // they run, then the slot goes back to the producer.
         const auto stage = [&]<bool First>() {
-          mbar_wait(full0 + 8 * slot, phase);
-          STREAM_TRACE(First && tid == 0 && T == T0, kTraceFirst);
           const uint8_t* st = smem + slot * p.stage_bytes;
+          const uint32_t bar = bars + 32 * slot;
           if constexpr (kBase) {
+            mbar_wait(bar + kFullW, phase);
+            STREAM_TRACE(First && tid == 0 && T == T0, kTraceFirst);
             const uint64_t dw = sw128_desc(smem_addr(st)), dx = sw128_desc(smem_addr(st + kWStage));
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
@@ -352,8 +395,11 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
                   wgmma_ss<BN, true>(acc, a, b);
               }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            mbar_arrive(bar + kEmptyW);  // W and x back to the producer
           }
-          if (!(knock & kKnockDelta)) {
+          if constexpr (DN > 0) mbar_wait(bar + kFullD, phase);
+          if (DN > 0 && !(knock & kKnockDelta)) {
             // The table's address, opaque per stage, so that the rows' offsets are loaded again rather
             // than held in registers across the loop (with 32 rows they spilled).
             uint32_t tab = dtab;
@@ -371,8 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
               sq[d] += sc.x * sc.y;
             }
           }
-          if constexpr (kBase) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-          mbar_arrive(empty0 + 8 * slot);
+          if constexpr (DN > 0) mbar_arrive(bar + kEmptyD);
           phase ^= slot + 1 == S ? 1 : 0;
           slot = slot + 1 == S ? 0 : slot + 1;
         };
@@ -607,14 +652,15 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
     ++p.nd;
   }
   p.xq_block = quantized_x_block(a.rows);
-  p.tx_bytes = kWStage + 4 * BN * 128 + p.nvar * kSignTile + (p.nvar ? p.xq_block : 0);
-  p.stage_bytes = (p.tx_bytes + 1023) / 1024 * 1024;
+  p.tx_w = kWStage + 4 * BN * 128;
+  p.tx_d = p.nvar * kSignTile + (p.nvar ? p.xq_block : 0);
+  p.stage_bytes = (p.tx_w + p.tx_d + 1023) / 1024 * 1024;
 #ifdef BITDELTA_STREAM_TRACE
   p.knock = g_knock;  // (the stages keep their layout; only the bytes each waits for change)
-  if (p.knock & kKnockXCopies) p.tx_bytes -= 4 * BN * 128 + (p.nvar ? p.xq_block : 0);
+  if (p.knock & kKnockXCopies) p.tx_w -= 4 * BN * 128, p.tx_d -= p.nvar ? p.xq_block : 0;
 #endif
-  // Alignment, red (two), the barriers, the delta rows' offsets.
-  const int fixed = 1024 + 2 * kBM * BN * 4 + 16 * kMaxStages + 16 * kMaxRows;
+  // Alignment, red (two), the barriers (two rings), the delta rows' offsets.
+  const int fixed = 1024 + 2 * kBM * BN * 4 + 32 * kMaxStages + 16 * kMaxRows;
   p.stages = std::min(kMaxStages, (info.smem_optin - fixed) / p.stage_bytes);
   if (a.stages > 0) p.stages = std::min(p.stages, a.stages);
   if (p.stages < 1) fail("cuda::fused_linear_stream: a stage of ", p.stage_bytes, " bytes does not fit");
@@ -641,7 +687,7 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   if (!grid.whole)  // where cut tiles' sums meet (zero between launches)
     p.meet = static_cast<unsigned long long*>(stream_scratch(
         ScratchUse::kStreamMeet, stream, size_t(tiles) * a.rows * kBM * sizeof(unsigned long long), true));
-  const int smem = 1024 + p.stages * p.stage_bytes + 2 * kBM * BN * 4 + 16 * p.stages + 16 * kMaxRows;
+  const int smem = 1024 + p.stages * p.stage_bytes + 2 * kBM * BN * 4 + 32 * p.stages + 16 * kMaxRows;
 
   launch_chained(kKernels[BN == 8 ? 0 : BN == 16 ? 1 : 2][nd_index(p.nd)], dim3(unsigned(p.blocks)), dim3(kThreads),
                  size_t(smem), stream, p);
