@@ -657,7 +657,10 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   p.stage_bytes = (p.tx_w + p.tx_d + 1023) / 1024 * 1024;
 #ifdef BITDELTA_STREAM_TRACE
   p.knock = g_knock;  // (the stages keep their layout; only the bytes each waits for change)
-  if (p.knock & kKnockXCopies) p.tx_w -= 4 * BN * 128, p.tx_d -= p.nvar ? p.xq_block : 0;
+  if (p.knock & kKnockXCopies) {
+    p.tx_w -= 4 * BN * 128;
+    p.tx_d -= p.nvar ? p.xq_block : 0;
+  }
 #endif
   // Alignment, red (two), the barriers (two rings), the delta rows' offsets.
   const int fixed = 1024 + 2 * kBM * BN * 4 + 32 * kMaxStages + 16 * kMaxRows;
