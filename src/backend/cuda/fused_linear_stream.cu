@@ -145,12 +145,14 @@ __device__ __forceinline__ void quantize_blocks(const __nv_bfloat16* x, int K, i
 // piece of the tile where the range starts, whole tiles, a piece of the tile where it ends. A range
 // holds at least KB units, or exactly half a tile, so a tile is cut between at most two blocks. The
 // producer's ring runs on across pieces, so a piece's first copies fly while the last one's epilogue
-// runs. A piece's sums go to shared memory (two buffers, in turn), then to y: a whole tile's are
+// runs. A slot's W and x, and its signs and bit-planes, are refilled apart (two barrier pairs, two
+// producer threads): W goes back once the base's wgmma is done. A piece's sums go to shared memory (two buffers, in turn), then to y: a whole tile's are
 // stored, a cut tile's meet the other block's by exchange, with no wait (write_piece). W and the
 // signs of the first stages are issued before the wait for the kernel before (launch.cuh); x after
 // it. x's bit-planes: with `quantize`, the consumers of block b first quantize x's 256-column blocks
 // b, b + blocks, … into xq (quantize_blocks) and publish each (ready[kb] = epoch, released), and the
-// producer's warp waits until every block of K is published before it copies any; blocks ≤
+// producer warp that copies the bit-planes waits until every block of K is published before it
+// copies any; blocks ≤
 // multiprocessors, so all are resident and no wait is circular. (Until part 19 a launch before,
 // prepare_x, quantized x: the linear then waited for two kernels to finish, not one.)
 // (Until part 17 the tiles left over after whole ones were split in up to 8 parts that met through
