@@ -146,14 +146,14 @@ __device__ __forceinline__ void quantize_blocks(const __nv_bfloat16* x, int K, i
 // holds at least KB units, or exactly half a tile, so a tile is cut between at most two blocks. The
 // producer's ring runs on across pieces, so a piece's first copies fly while the last one's epilogue
 // runs. A slot's W and x, and its signs and bit-planes, are refilled apart (two barrier pairs, two
-// producer threads): W goes back once the base's wgmma is done. A piece's sums go to shared memory (two buffers, in turn), then to y: a whole tile's are
-// stored, a cut tile's meet the other block's by exchange, with no wait (write_piece). W and the
+// producer threads): W goes back once the base's wgmma is done. A piece's sums go to shared memory
+// (two buffers, in turn), then to y: a whole tile's are stored, a cut tile's meet the other block's
+// by exchange, with no wait (write_piece). W and the
 // signs of the first stages are issued before the wait for the kernel before (launch.cuh); x after
 // it. x's bit-planes: with `quantize`, the consumers of block b first quantize x's 256-column blocks
 // b, b + blocks, … into xq (quantize_blocks) and publish each (ready[kb] = epoch, released), and the
 // producer warp that copies the bit-planes waits until every block of K is published before it
-// copies any; blocks ≤
-// multiprocessors, so all are resident and no wait is circular. (Until part 19 a launch before,
+// copies any; blocks ≤ multiprocessors, so all are resident and no wait is circular. (Until part 19 a launch before,
 // prepare_x, quantized x: the linear then waited for two kernels to finish, not one.)
 // (Until part 17 the tiles left over after whole ones were split in up to 8 parts that met through
 // memory in part order, early parts released with a count, final parts waiting for it: NOTES.md.)
@@ -246,8 +246,8 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
   if (tid < ND) {
     const int d = tid < p.nd ? tid : 0, row = p.drow[d];
     asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(dtab + 16 * tid),
-                 "r"(sgn_off + p.dvar[d] * kSignTile), "r"(xq_off + kQuantizedPlanes + row * 512), "r"(xq_off + row * 8),
-                 "r"(0)
+                 "r"(sgn_off + p.dvar[d] * kSignTile), "r"(xq_off + kQuantizedPlanes + row * 512),
+                 "r"(xq_off + row * 8), "r"(0)
                  : "memory");
   }
   if (tid == 0) {
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         issue_x(it, kb);
       });
       STREAM_TRACE(true, kTraceIssued);
-    } else if (ND > 0 && tid >= kConsumers + 32 && tid < kConsumers + 64) {  // the signs and bit-planes: the second warp
+    } else if (ND > 0 && tid >= kConsumers + 32 && tid < kConsumers + 64) {  // the second warp: signs, planes
       if (p.quantize) {
         // Every block's x blocks quantized (below): the warp polls the words together.
         for (int kb = tid - kConsumers - 32; kb < p.KB; kb += 32)
@@ -376,11 +376,12 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
             const int n = min(n0 + 16 * wq + g + 8 * h, p.N - 1), dd = D0 + d;
             al[d][h] = dd < p.nd ? __ldg(p.alpha[dd] + (p.alpha_per_row[dd] ? n : 0)) : 0.0f;
           }
-        // Stage: W·xᵀ on wgmma (16 steps of k16), the delta rows' 1-bit mma from the same stage while
-        // they run, then the slot goes back to the producer.
+        // Stage: warpgroup 0 runs W·xᵀ on wgmma (16 steps of k16) and hands W and x back once they are
+        // done; the warpgroups with delta rows run their 1-bit mma on the stage's signs and bit-planes,
+        // then hand those back.
         const auto stage = [&]<bool First>() {
           const uint8_t* st = smem + slot * p.stage_bytes;
-          const uint32_t bar = bars + 32 * slot;
+          [[maybe_unused]] const uint32_t bar = bars + 32 * slot;  // (unused by a warpgroup without work)
           if constexpr (kBase) {
             mbar_wait(bar + kFullW, phase);
             STREAM_TRACE(First && tid == 0 && T == T0, kTraceFirst);
@@ -664,9 +665,13 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
     p.tx_d -= p.nvar ? p.xq_block : 0;
   }
 #endif
-  // Alignment, red (two), the barriers (two rings), the delta rows' offsets.
-  const int fixed = 1024 + 2 * kBM * BN * 4 + 32 * kMaxStages + 16 * kMaxRows;
-  p.stages = std::min(kMaxStages, (info.smem_optin - fixed) / p.stage_bytes);
+  // Dynamic shared memory for S stages: alignment, the stages, red (two), a slot's four barriers, the
+  // delta rows' offsets (the kernel's layout).
+  const auto smem_bytes = [&](int S) {
+    return 1024 + S * p.stage_bytes + 2 * kBM * BN * 4 + 32 * S + 16 * kMaxRows;
+  };
+  // (the barriers of kMaxStages set aside: the stage counts that runs 208-215 measured)
+  p.stages = std::min(kMaxStages, (info.smem_optin - smem_bytes(0) - 32 * kMaxStages) / p.stage_bytes);
   if (a.stages > 0) p.stages = std::min(p.stages, a.stages);
   if (p.stages < 1) fail("cuda::fused_linear_stream: a stage of ", p.stage_bytes, " bytes does not fit");
   const int tiles = (a.N + kBM - 1) / kBM;
@@ -692,7 +697,7 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   if (!grid.whole)  // where cut tiles' sums meet (zero between launches)
     p.meet = static_cast<unsigned long long*>(stream_scratch(
         ScratchUse::kStreamMeet, stream, size_t(tiles) * a.rows * kBM * sizeof(unsigned long long), true));
-  const int smem = 1024 + p.stages * p.stage_bytes + 2 * kBM * BN * 4 + 32 * p.stages + 16 * kMaxRows;
+  const int smem = smem_bytes(p.stages);
 
   launch_chained(kKernels[BN == 8 ? 0 : BN == 16 ? 1 : 2][nd_index(p.nd)], dim3(unsigned(p.blocks)), dim3(kThreads),
                  size_t(smem), stream, p);
