@@ -36,7 +36,6 @@ static_assert(kConsumers * kConsumerRegs + 128 * kProducerRegs <= kThreads * kLa
 constexpr int kWStage = kBM * kBK * 2;     // W's bytes per stage: 4 swizzled chunks of 64 × 64
 constexpr int kSignTile = kBM / 16 * 512;  // one variant's sign bits per stage
 constexpr int kMaxStages = 8;
-constexpr int kFullW = 0, kEmptyW = 8, kFullD = 16, kEmptyD = 24;  // a slot's barriers (byte offsets)
 
 // A stage: [W: 4 chunks × 64 rows × 128 B][x: 4 chunks × BN rows × 128 B][signs: nvar × 2 KB]
 // [quantized x: one block of quantized_x_block(rows) bytes], 1024-byte aligned (the swizzle atoms).
@@ -190,6 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
   // Slot s's four barriers at bars + 32·s: kFullW, kEmptyW, kFullD, kEmptyD (one address per slot, the
   // others at immediate offsets from it).
   const uint32_t bars = smem_addr(red0 + 2 * kBM * BN);
+  constexpr int kFullW = 0, kEmptyW = 8, kFullD = 16, kEmptyD = 24;  // a slot's barriers (byte offsets)
   constexpr int kDeltaArrivals = 128 * ((group_rows<ND>(0) > 0) + (group_rows<ND>(1) > 0) + (group_rows<ND>(2) > 0));
   // Per padded delta row d (the padding repeats delta row 0): the byte offsets of its sign tile in a
   // stage, of its row's bit-planes and of its row's (scale, Σq) in the quantized block. One 16-byte
