@@ -344,11 +344,6 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
   const bool dims_valid = DPL * lane < head_dim;
   __shared__ float q_s[G][DPL * 32];
   __shared__ float p_s[kSplitWarps][G][32];
-  for (int i = threadIdx.x; i < G * DPL * 32; i += blockDim.x) {
-    const int g = i / (DPL * 32), d = i % (DPL * 32);
-    q_s[g][d] = d < head_dim ? q[size_t(r) * q_stride + size_t(h0 + g) * head_dim + d] * scale : 0.0f;
-  }
-  __syncthreads();
 
   // Chunk c's keys (all 32) and values (VB at a time: all 32 but where registers are short); rows
   // past the last position repeat it (loaded, never used).
@@ -373,6 +368,13 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
     if (kPrefetchKeys) load_keys(c);
     load_values(c, 0);
   }
+  // The queries after the first keys and values are in flight (they do not depend on them): the
+  // block's first chunk no longer waits for a load of q and a barrier before its own loads start.
+  for (int i = threadIdx.x; i < G * DPL * 32; i += blockDim.x) {
+    const int g = i / (DPL * 32), d = i % (DPL * 32);
+    q_s[g][d] = d < head_dim ? q[size_t(r) * q_stride + size_t(h0 + g) * head_dim + d] * scale : 0.0f;
+  }
+  __syncthreads();
   float m[G], l[G], acc[G][DPL];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
