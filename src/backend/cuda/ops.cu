@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 
 #include "cuda_check.cuh"
@@ -517,6 +518,223 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
   }
 }
 
+// Decode rows with grouped-query attention (G = 2, 4 or 8 q heads of one kv head per block, head_dim
+// 64 or 128) on the tensor cores: per chunk of 32 positions, the scores of the G heads as one
+// mma.m16n8k16 product (rows 0..7: the heads' queries rounded to bf16, rows 8..15: what that rounding
+// left, so that the two rows' sum carries the float query to about 2^-16), the online softmax on the
+// fragments, and p·v as a second product (rows: the probabilities' bf16 parts, the same split).
+// The register split kernel above ran the G heads' dot products on the CUDA cores; at 4 heads per
+// block, 32 rows and 520 positions it read the 7B-like 32/8 cache at 0.39 of the copy rate (run 220),
+// bound by those instructions, and keys and values staged in shared memory for the same work were
+// slower still (0.20). Warps, chunks, prefetch, splits and merges as in the split kernel.
+//
+// Fragment maps (PTX m16n8k16: lane = 4g + t). Sums over dims and positions may take them in any
+// order, so each is permuted to make the loads contiguous:
+// - scores, k = dims: per 32 dims (a slice), lane t loads dims 8t..8t+7 of position g of an n-tile
+//   (one 16-byte load): its words 0, 1 are k-step 2·slice's (k 2t, 2t+1 and 2t+8, 2t+9), words 2, 3
+//   the next k-step's; the queries go to the A fragment in the same order.
+// - p·v, k = positions: k-step s's k 2t, 2t + 1 are positions 2t, 2t + 1 of the scores' n-tile 2s,
+//   and its k 2t + 8, 2t + 9 the same of n-tile 2s + 1, which lane (g, t) already holds (positions
+//   8i + 2t, + 1 of n-tile i); so lane t loads the values of positions 16s + 2t, + 1, + 8, + 9.
+// - p·v, n = dims: n-tile j's column n is dim DG·n + j (DG = head_dim / 8): lane g loads dims
+//   DG·g..DG·g + DG − 1 of each of its positions (contiguous), and the output it holds, columns 2t
+//   and 2t + 1 of every n-tile, is dims 2·DG·t..2·DG·t + 2·DG − 1 of head g.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// Two floats as a bf16 pair (x low) and what their rounding left, likewise.
+__device__ __forceinline__ void split_bf16x2(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x - hf.x, y - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h), lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+template <int HD, int G>
+__global__ void __launch_bounds__(kSplitWarps * 32) attention_mma_kernel(const float* q, int q_stride,
+                                                                         const RowDesc* rows, int layer, int heads,
+                                                                         int kv_heads, int head_dim, float scale,
+                                                                         int split_len, float* part, unsigned* arrived,
+                                                                         int max_splits, __nv_bfloat16* out) {
+  static_assert(HD == 64 || HD == 128);
+  static_assert(G == 2 || G == 4 || G == 8);
+  constexpr int SL = HD / 32, DG = HD / 8, VW = DG / 8;  // slices; dims per lane g in p·v; uint4 per position
+  pdl_launch_dependents();  // launch.cuh
+  pdl_wait();
+  const int hg = blockIdx.x, r = blockIdx.y, sp = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane >> 2, t = lane & 3, h0 = hg * G;
+  const RowDesc row = rows[r];
+  const int n = row.position + 1, splits = (n + split_len - 1) / split_len;
+  if (sp >= splits) return;
+  const int chunks = (n + kChunk - 1) / kChunk;
+  const int chunk_begin = sp * chunks / splits, chunk_end = (sp + 1) * chunks / splits;
+  const int kv_dim = kv_heads * HD, kvh = h0 / (heads / kv_heads);
+  const size_t stride = size_t(kv_dim);
+  const __nv_bfloat16* kbase = row.kv + kv_index(layer, 0, 0, size_t(row.kv_capacity), kv_dim) + size_t(kvh) * HD;
+  const __nv_bfloat16* vbase = row.kv + kv_index(layer, 1, 0, size_t(row.kv_capacity), kv_dim) + size_t(kvh) * HD;
+  const auto at = [&](const __nv_bfloat16* base, int c, int e, int d) {
+    return reinterpret_cast<const uint4*>(base + size_t(min(c * kChunk + e, n - 1)) * stride + d);
+  };
+  // Chunk c's keys: n-tile i's position g, slice sl's dims 8t.. (kr[i][sl]); its values: k-step s's
+  // positions 16s + {2t, 2t + 1, 2t + 8, 2t + 9}, dims DG·g.. (vr[s][u][w]).
+  uint4 kr[4][SL], vr[2][4][VW];
+  const auto load_keys = [&](int c) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int sl = 0; sl < SL; ++sl) kr[i][sl] = __ldg(at(kbase, c, 8 * i + g, 32 * sl + 8 * t));
+  };
+  const auto load_values = [&](int c) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int w = 0; w < VW; ++w)
+          vr[s][u][w] = __ldg(at(vbase, c, 16 * s + 2 * t + (u & 1) + 8 * (u >> 1), DG * g + 8 * w));
+  };
+  int c = chunk_begin + warp;
+  if (c < chunk_end) load_keys(c), load_values(c);
+  // The queries (scaled) of head g, split into bf16 parts, in the A fragments' order: per slice, lane
+  // (g, t)'s dims 8t..8t + 7 as 4 words of each part. Rows past G are zero.
+  __shared__ uint4 q_hi[SL][8][4], q_lo[SL][8][4];
+  for (int i = threadIdx.x; i < SL * 32; i += blockDim.x) {
+    const int sl = i / 32, gg = (i / 4) % 8, tt = i % 4;
+    uint32_t hi[4] = {}, lo[4] = {};
+    if (gg < G) {
+      const float* qh = q + size_t(r) * q_stride + size_t(h0 + gg) * HD + 32 * sl + 8 * tt;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) split_bf16x2(qh[2 * w] * scale, qh[2 * w + 1] * scale, hi[w], lo[w]);
+    }
+    q_hi[sl][gg][tt] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    q_lo[sl][gg][tt] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  }
+  __syncthreads();
+
+  float m = -INFINITY, l = 0.0f, acc[DG][4];
+#pragma unroll
+  for (int j = 0; j < DG; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  for (; c < chunk_end; c += kSplitWarps) {
+    const int count = min(kChunk, n - c * kChunk), next = c + kSplitWarps;
+    float sc[4][4] = {};  // n-tile i: (hi row, lo row) × positions 8i + 2t, + 1
+#pragma unroll
+    for (int sl = 0; sl < SL; ++sl) {
+      const uint4 qh = q_hi[sl][g][t], ql = q_lo[sl][g][t];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        mma_bf16_16816(sc[i], qh.x, ql.x, qh.y, ql.y, kr[i][sl].x, kr[i][sl].y);
+        mma_bf16_16816(sc[i], qh.z, ql.z, qh.w, ql.w, kr[i][sl].z, kr[i][sl].w);
+      }
+    }
+    if (next < chunk_end) load_keys(next);  // in flight during this chunk's softmax and values
+    // Online softmax of head g over the chunk: the quad (lanes 4g..4g + 3) holds its 32 positions.
+    float s[8], cmax = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool valid = 8 * i + 2 * t + e < count;
+        s[2 * i + e] = valid ? sc[i][e] + sc[i][2 + e] : -INFINITY;
+        cmax = fmaxf(cmax, s[2 * i + e]);
+      }
+    cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 1));
+    cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 2));
+    const float mn = fmaxf(m, cmax), corr = expf(m - mn);  // m = −∞ at the first chunk: corr 0
+    float psum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s[k] = s[k] == -INFINITY ? 0.0f : expf(s[k] - mn), psum += s[k];
+    psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+    psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+    l = l * corr + psum;
+    m = mn;
+#pragma unroll
+    for (int j = 0; j < DG; ++j) acc[j][0] *= corr, acc[j][1] *= corr, acc[j][2] *= corr, acc[j][3] *= corr;
+    // p·v: k-step s's A fragment is the probabilities of n-tiles 2s and 2s + 1, in two bf16 parts.
+#pragma unroll
+    for (int st = 0; st < 2; ++st) {
+      uint32_t p0h, p0l, p1h, p1l;
+      split_bf16x2(s[4 * st], s[4 * st + 1], p0h, p0l);
+      split_bf16x2(s[4 * st + 2], s[4 * st + 3], p1h, p1l);
+#pragma unroll
+      for (int j = 0; j < DG; ++j) {
+        // Dim DG·g + j of positions 2t and 2t + 1 (b0), 2t + 8 and 2t + 9 (b1): halves of the loaded words.
+        const int w = j / 8, word = (j % 8) / 2;
+        const uint32_t sel = j & 1 ? 0x7632 : 0x5410;
+        const auto pick = [&](const uint4& v) { return word == 0 ? v.x : word == 1 ? v.y : word == 2 ? v.z : v.w; };
+        const uint32_t b0 = __byte_perm(pick(vr[st][0][w]), pick(vr[st][1][w]), sel);
+        const uint32_t b1 = __byte_perm(pick(vr[st][2][w]), pick(vr[st][3][w]), sel);
+        mma_bf16_16816(acc[j], p0h, p0l, p1h, p1l, b0, b1);
+      }
+    }
+    if (next < chunk_end) load_values(next);
+  }
+
+  // The block's warps merged per head (as the split kernel): lane (g, t) holds head g's dims
+  // 2·DG·t + 2·j' + e ... as acc[j][e] (hi row) + acc[j][2 + e] (lo row): column 2t + e of n-tile j is
+  // dim DG·(2t + e) + j.
+  __shared__ float sm_m[kSplitWarps][8], sm_l[kSplitWarps][8], sm_acc[kSplitWarps][G][HD];
+  __shared__ float mx_s[G], total_s[G];
+  __shared__ int last;
+  if (t == 0) sm_m[warp][g] = m, sm_l[warp][g] = l;
+  if (g < G)
+#pragma unroll
+    for (int j = 0; j < DG; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) sm_acc[warp][g][DG * (2 * t + e) + j] = acc[j][e] + acc[j][2 + e];
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int gg = threadIdx.x;
+    float mx = -INFINITY;
+    for (int w = 0; w < kSplitWarps; ++w) mx = fmaxf(mx, sm_m[w][gg]);  // finite: warp 0 has a chunk
+    float total = 0.0f;
+    for (int w = 0; w < kSplitWarps; ++w)
+      total += sm_m[w][gg] == -INFINITY ? 0.0f : sm_l[w][gg] * expf(sm_m[w][gg] - mx);
+    mx_s[gg] = mx, total_s[gg] = total;
+  }
+  __syncthreads();
+  const auto merged = [&](int gg, int d) {
+    float sum = 0.0f;
+    for (int w = 0; w < kSplitWarps; ++w)
+      if (sm_m[w][gg] != -INFINITY) sum += sm_acc[w][gg][d] * expf(sm_m[w][gg] - mx_s[gg]);
+    return sum;
+  };
+  __nv_bfloat16* o = out + (size_t(r) * heads + h0) * HD;
+  if (splits == 1) {
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x)
+      o[i] = __float2bfloat16(merged(i / HD, i % HD) / total_s[i / HD]);
+    return;
+  }
+  const int pitch = HD + 2;  // floats per head and split: max, sum, then the dims (the split kernel's)
+  const auto part_of = [&](int gg, int split) {
+    return part + ((size_t(r) * heads + h0 + gg) * max_splits + split) * pitch;
+  };
+  if (threadIdx.x < G)
+    part_of(threadIdx.x, sp)[0] = mx_s[threadIdx.x], part_of(threadIdx.x, sp)[1] = total_s[threadIdx.x];
+  for (int i = threadIdx.x; i < G * HD; i += blockDim.x) part_of(i / HD, sp)[2 + i % HD] = merged(i / HD, i % HD);
+  if (!last_to_arrive(arrived + size_t(r) * (heads / G) + hg, unsigned(splits), last, [] { __syncthreads(); }))
+    return;
+  if (threadIdx.x < G) {
+    const int gg = threadIdx.x;
+    float gm = -INFINITY;
+    for (int i = 0; i < splits; ++i) gm = fmaxf(gm, __ldcg(part_of(gg, i)));
+    float gl = 0.0f;
+    for (int i = 0; i < splits; ++i) gl += __ldcg(part_of(gg, i) + 1) * expf(__ldcg(part_of(gg, i)) - gm);
+    mx_s[gg] = gm, total_s[gg] = gl;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+    const int gg = i / HD, d = i % HD;
+    float sum = 0.0f;
+    for (int s2 = 0; s2 < splits; ++s2)
+      sum += __ldcg(part_of(gg, s2) + 2 + d) * expf(__ldcg(part_of(gg, s2)) - mx_s[gg]);
+    o[i] = __float2bfloat16(sum / total_s[gg]);
+  }
+}
+
 // The split kernel's instance for dpl dims per lane and g heads per block.
 // The most heads per block without spilling registers: 8 with 2 dims per lane, 4 with 4, 1 with 8.
 constexpr int max_split_heads(int dpl) { return dpl == 2 ? 8 : dpl == 4 ? 4 : 1; }
@@ -534,20 +752,31 @@ const void* split_kernel(int dpl, int g) {
   return dpl == 2 ? split_kernel_for<2>(g) : dpl == 4 ? split_kernel_for<4>(g) : split_kernel_for<8>(g);
 }
 
-// Its resident blocks on the current device (one wave; cached per device and instance).
-int split_blocks_wave(int dpl, int g) {
+// The tensor-core kernel's instance for head_dim 64 or 128 and g = 2, 4 or 8 heads per block.
+template <int HD>
+const void* mma_kernel_for(int g) {
+  return g == 8   ? reinterpret_cast<const void*>(attention_mma_kernel<HD, 8>)
+         : g == 4 ? reinterpret_cast<const void*>(attention_mma_kernel<HD, 4>)
+                  : reinterpret_cast<const void*>(attention_mma_kernel<HD, 2>);
+}
+const void* mma_kernel(int head_dim, int g) { return head_dim == 64 ? mma_kernel_for<64>(g) : mma_kernel_for<128>(g); }
+
+// Resident blocks of a decode attention kernel on the current device (one wave; cached per device and
+// instance): the split kernel's (dpl, g), or with `tc` the tensor-core kernel's (head_dim 32·dpl).
+int split_blocks_wave(int dpl, int g, bool tc = false) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices][3][4];
+  static std::atomic<int> cache[kMaxDevices][3][4][2];
   int device = 0;
   BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
   const int di = dpl == 2 ? 0 : dpl == 4 ? 1 : 2, gi = g == 1 ? 0 : g == 2 ? 1 : g == 4 ? 2 : 3;
-  if (device < kMaxDevices && cache[device][di][gi].load(std::memory_order_relaxed) > 0)
-    return cache[device][di][gi].load(std::memory_order_relaxed);
+  std::atomic<int>* slot = device < kMaxDevices ? &cache[device][di][gi][tc] : nullptr;
+  if (slot && slot->load(std::memory_order_relaxed) > 0) return slot->load(std::memory_order_relaxed);
   int sms = 0, per_sm = 0;
   BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  BITDELTA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel(dpl, g), kSplitWarps * 32, 0));
+  const void* k = tc ? mma_kernel(32 * dpl, g) : split_kernel(dpl, g);
+  BITDELTA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kSplitWarps * 32, 0));
   const int wave = sms * std::max(per_sm, 1);
-  if (device < kMaxDevices) cache[device][di][gi].store(wave, std::memory_order_relaxed);
+  if (slot) slot->store(wave, std::memory_order_relaxed);
   return wave;
 }
 
@@ -666,27 +895,36 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
   if (head_dim % 8 || head_dim > 256) fail("cuda::attention: head_dim ", head_dim, " (a multiple of 8, at most 256)");
   const int dpl = (head_dim + 31) / 32;
   // Decode rows only (tile i is row i), at most 65535 (the grid's y), with 2, 4 or 8 dims per lane
-  // (head_dim 40–64, 104–128 or 232–256) go to the split kernel.
+  // (head_dim 40–64, 104–128 or 232–256) go to the split kernel, or with grouped heads of head_dim 64
+  // or 128 to the tensor-core kernel.
   if (max_tile <= 1 && n_tiles <= 65535 && (dpl == 2 || dpl == 4 || dpl == 8)) {
     // q heads per block: with grouped-query attention, the largest of 8, 4, 2 that divides the heads
-    // per kv head (at most max_split_heads), where that still makes at least 2 waves of blocks at the
-    // most splits; else 1. (7B-like 32/8 heads, run 70: 32 rows, 4 heads per block, took 40.4 µs at
-    // 520 positions against 67.5 with 1 and 403 against 751 at 8192; one row 16.9 against 11.5 at
-    // 520, 36.2 against 32.9 at 8192; 8 rows 23.2 against 20.8 at 520, 38.6 against 53.8 at 2048.)
+    // per kv head, where that still makes at least a wave of blocks at the most splits (2 waves for
+    // the split kernel); else 1. Head_dim 64 and 128 take the tensor-core kernel for 2, 4 or 8 heads;
+    // other sizes the split kernel with at most max_split_heads. (7B-like 32/8 heads, run 70, the
+    // split kernel: 32 rows, 4 heads per block, took 40.4 µs at 520 positions against 67.5 with 1 and
+    // 403 against 751 at 8192; one row 16.9 against 11.5 at 520, 36.2 against 32.9 at 8192; 8 rows
+    // 23.2 against 20.8 at 520, 38.6 against 53.8 at 2048. Run 221, the tensor-core kernel: 32 rows
+    // 27.3–29.4 µs at 520, 71.3 at 2048, 252 at 8192; one row 14.0 against 11.3 (one head per block)
+    // at 520 and 18.4 against 15.3 at 2048 (fewer blocks than a wave), but 30.6–31.0 against 33.6 at
+    // 8192; 8 rows at 520, 320 blocks, 19.2 against 20.8.)
     const int n_max = max_position + 1, chunks_max = (n_max + kChunk - 1) / kChunk;
     const int most_splits = (chunks_max + kSplitWarps - 1) / kSplitWarps;
-    const int group = heads / kv_heads, most = split_heads > 0 ? std::min(split_heads, max_split_heads(dpl))
-                                                              : max_split_heads(dpl);
+    const int group = heads / kv_heads;
     int g = 1;
-    while (g * 2 <= most && group % (g * 2) == 0) g *= 2;
-    if (split_heads == 0 && g > 1 && int64_t(n_tiles) * (heads / g) * most_splits < 2 * int64_t(split_blocks_wave(dpl, g)))
-      g = 1;
+    while (g * 2 <= 8 && group % (g * 2) == 0 && (split_heads <= 0 || g * 2 <= split_heads)) g *= 2;
+    bool tc = g >= 2 && (head_dim == 64 || head_dim == 128);
+    if (!tc) g = std::min(g, max_split_heads(dpl));
+    const auto wave_of = [&](int gg) { return split_blocks_wave(dpl, gg, tc && gg == g); };
+    if (split_heads == 0 && g > 1 &&
+        int64_t(n_tiles) * (heads / g) * most_splits < (tc ? 1 : 2) * int64_t(wave_of(g)))
+      g = 1, tc = false;
     if (split_len <= 0) {
       // Splits per row: about one wave of resident blocks over all (row, head group) pairs (the
       // nearest count, at least 1), and at least 4 chunks (one per warp) in each. Splitting costs a
       // merge and a tail: on the 7B shape at 520 positions (run 68), 8 rows took 25.4 µs unsplit
       // against 31.7 in 2 splits, 32 rows 82.6 against 102.4; one row 12.5 µs in 5 splits against 17.7.
-      const int pairs = n_tiles * (heads / g), wave = split_blocks_wave(dpl, g);
+      const int pairs = n_tiles * (heads / g), wave = wave_of(g);
       const int want = (wave + pairs / 2) / pairs;
       const int splits = std::max(1, std::min(want, most_splits));
       split_len = (n_max + splits - 1) / splits;
@@ -707,7 +945,10 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
     const dim3 grid{unsigned(heads / g), unsigned(n_tiles), unsigned(max_splits)};
     void* args[] = {&q, &q_stride, &rows, &layer, &heads, &kv_heads, &head_dim, &scale, &split_len, &part,
                     &arrived, &max_splits, &out};
-    launch_chained(split_kernel(dpl, g), grid, dim3(kSplitWarps * 32), 0, stream, args);
+    if (tc)
+      launch_chained(mma_kernel(head_dim, g), grid, dim3(kSplitWarps * 32), 0, stream, args);
+    else
+      launch_chained(split_kernel(dpl, g), grid, dim3(kSplitWarps * 32), 0, stream, args);
     BITDELTA_CUDA_CHECK_LAUNCH();
     return;
   }
