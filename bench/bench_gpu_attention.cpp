@@ -1,6 +1,6 @@
-// Attention of decode rows over the KV cache on a CUDA device (issue 6): the split kernel, and with
-// grouped-query heads the tensor-core kernel (backend/cuda/ops.cu), against the byte roofline, for
-// several positions per block.
+// Attention of decode rows over the KV cache on a CUDA device (issue 6): the tensor-core kernel
+// (head_dim 64 and 128; backend/cuda/ops.cu), against the byte roofline, for several positions per
+// block.
 //   bench_gpu_attention [--quick]
 // Every row of a case is at the same position n − 1 of its own sequence's cache. Bytes = each row's
 // keys and values once (rows × n × kv_dim × 2 × 2 B); with grouped-query heads the q heads of one kv
@@ -10,7 +10,7 @@
 // positions per block the engine chooses (auto), and fixed 128 (one 32-position chunk per warp: the
 // form before part 9), 256, 512 and the whole row (one block per row and head); with grouped-query
 // heads also one q head per block ("auto, 1 head") and as many of a kv head as fit ("auto, grouped":
-// up to 8, on the tensor cores with head_dim 64 or 128); auto takes one of the two.
+// up to 8); auto takes one of the two.
 #include <cuda_runtime.h>
 
 #include <algorithm>

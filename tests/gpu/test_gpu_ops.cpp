@@ -124,9 +124,10 @@ TEST_F(GpuOps, EmbeddingGatherAndRmsnormWithResidualAdd) {
 // four decode rows also go alone (tiles of one row: positions split over blocks, 3 splits at 299).
 TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
   // head_dim 96 (3 dims per lane): decode rows alone take the one-row tile kernel, not the split one.
-  // Grouped heads, where the forms below ask for them (split_heads 8): the tensor-core kernel with 4
-  // (32/8, head_dim 128), 8 (16/2, 64) and 2 (8/4, 64) heads per block; the split kernel with 2 (4/2,
-  // head_dim 48) and 1 (8/1, head_dim 256: 8 dims per lane). 8/8: one head per block.
+  // Head_dim 64 and 128 take the tensor-core kernel: one head per block (the forms with split_heads
+  // 0), and where the forms ask for them (split_heads 8) 4 (32/8), 8 (16/2) and 2 (8/4) heads per
+  // block; 8/8, one head per block. Head_dim 48 and 256 take the split kernel: 2 heads per block
+  // (4/2) and 1 (8/1, 8 dims per lane).
   for (const auto& [heads, kv_heads, head_dim] :
        {std::tuple{32, 8, 128}, std::tuple{4, 2, 48}, std::tuple{8, 8, 64}, std::tuple{4, 4, 96}, std::tuple{16, 2, 64},
         std::tuple{8, 1, 256}, std::tuple{8, 4, 64}}) {

@@ -518,15 +518,16 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
   }
 }
 
-// Decode rows with grouped-query attention (G = 2, 4 or 8 q heads of one kv head per block, head_dim
-// 64 or 128) on the tensor cores: per chunk of 32 positions, the scores of the G heads as one
-// mma.m16n8k16 product (rows 0..7: the heads' queries rounded to bf16, rows 8..15: what that rounding
-// left, so that the two rows' sum carries the float query to about 2^-16), the online softmax on the
-// fragments, and p·v as a second product (rows: the probabilities' bf16 parts, the same split).
-// The register split kernel above ran the G heads' dot products on the CUDA cores; at 4 heads per
-// block, 32 rows and 520 positions it read the 7B-like 32/8 cache at 0.39 of the copy rate (run 220),
-// bound by those instructions, and keys and values staged in shared memory for the same work were
-// slower still (0.20). Warps, chunks, prefetch, splits and merges as in the split kernel.
+// Decode rows of head_dim 64 or 128 on the tensor cores, G = 1, 2, 4 or 8 q heads of one kv head per
+// block: per chunk of 32 positions, the scores of the G heads as one mma.m16n8k16 product (rows
+// 0..7: the heads' queries rounded to bf16, rows 8..15: what that rounding left, so that the two
+// rows' sum carries the float query to about 2^-16), the online softmax on the fragments, and p·v as
+// a second product (rows: the probabilities' bf16 parts, the same split). The register split kernel
+// above runs the dot products on the CUDA cores: at 4 heads per block, 32 rows and 520 positions it
+// read the 7B-like 32/8 cache at 0.39 of the copy rate (run 220), bound by those instructions (keys
+// and values staged in shared memory for the same work were slower still, 0.20); this kernel 0.54
+// (run 221), and with one head per block (the 7B shape, 32/32) 0.82 against 0.77 (run 223). Warps,
+// chunks, prefetch, splits and merges as in the split kernel.
 //
 // Fragment maps (PTX m16n8k16: lane = 4g + t). Sums over dims and positions may take them in any
 // order, so each is permuted to make the loads contiguous:
@@ -561,7 +562,7 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_mma_kernel(const f
                                                                          int split_len, float* part, unsigned* arrived,
                                                                          int max_splits, __nv_bfloat16* out) {
   static_assert(HD == 64 || HD == 128);
-  static_assert(G == 2 || G == 4 || G == 8);
+  static_assert(G == 1 || G == 2 || G == 4 || G == 8);
   constexpr int SL = HD / 32, DG = HD / 8, VW = DG / 8;  // slices; dims per lane g in p·v; uint4 per position
   pdl_launch_dependents();  // launch.cuh
   pdl_wait();
@@ -757,7 +758,8 @@ template <int HD>
 const void* mma_kernel_for(int g) {
   return g == 8   ? reinterpret_cast<const void*>(attention_mma_kernel<HD, 8>)
          : g == 4 ? reinterpret_cast<const void*>(attention_mma_kernel<HD, 4>)
-                  : reinterpret_cast<const void*>(attention_mma_kernel<HD, 2>);
+         : g == 2 ? reinterpret_cast<const void*>(attention_mma_kernel<HD, 2>)
+                  : reinterpret_cast<const void*>(attention_mma_kernel<HD, 1>);
 }
 const void* mma_kernel(int head_dim, int g) { return head_dim == 64 ? mma_kernel_for<64>(g) : mma_kernel_for<128>(g); }
 
@@ -895,30 +897,32 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
   if (head_dim % 8 || head_dim > 256) fail("cuda::attention: head_dim ", head_dim, " (a multiple of 8, at most 256)");
   const int dpl = (head_dim + 31) / 32;
   // Decode rows only (tile i is row i), at most 65535 (the grid's y), with 2, 4 or 8 dims per lane
-  // (head_dim 40–64, 104–128 or 232–256) go to the split kernel, or with grouped heads of head_dim 64
-  // or 128 to the tensor-core kernel.
+  // (head_dim 40–64, 104–128 or 232–256) go to the tensor-core kernel (head_dim 64 or 128) or the
+  // split kernel.
   if (max_tile <= 1 && n_tiles <= 65535 && (dpl == 2 || dpl == 4 || dpl == 8)) {
-    // q heads per block: with grouped-query attention, the largest of 8, 4, 2 that divides the heads
-    // per kv head, where that still makes at least a wave of blocks at the most splits (2 waves for
-    // the split kernel); else 1. Head_dim 64 and 128 take the tensor-core kernel for 2, 4 or 8 heads;
-    // other sizes the split kernel with at most max_split_heads. (7B-like 32/8 heads, run 70, the
-    // split kernel: 32 rows, 4 heads per block, took 40.4 µs at 520 positions against 67.5 with 1 and
-    // 403 against 751 at 8192; one row 16.9 against 11.5 at 520, 36.2 against 32.9 at 8192; 8 rows
-    // 23.2 against 20.8 at 520, 38.6 against 53.8 at 2048. Run 221, the tensor-core kernel: 32 rows
+    // Head_dim 64 and 128 take the tensor-core kernel, others the split kernel. q heads per block:
+    // with grouped-query attention, the largest of 8, 4, 2 that divides the heads per kv head (for
+    // the split kernel at most max_split_heads), where that still makes at least a wave of blocks at
+    // the most splits (2 waves for the split kernel); else 1. (7B-like 32/8 heads, run 70, the split
+    // kernel: 32 rows, 4 heads per block, took 40.4 µs at 520 positions against 67.5 with 1 and 403
+    // against 751 at 8192; one row 16.9 against 11.5 at 520, 36.2 against 32.9 at 8192; 8 rows 23.2
+    // against 20.8 at 520, 38.6 against 53.8 at 2048. Run 221, the tensor-core kernel: 32 rows
     // 27.3–29.4 µs at 520, 71.3 at 2048, 252 at 8192; one row 14.0 against 11.3 (one head per block)
     // at 520 and 18.4 against 15.3 at 2048 (fewer blocks than a wave), but 30.6–31.0 against 33.6 at
-    // 8192; 8 rows at 520, 320 blocks, 19.2 against 20.8.)
+    // 8192; 8 rows at 520, 320 blocks, 19.2 against 20.8. Run 223, one head per block, 7B shape
+    // (32/32): 32 rows 77.7–77.9 µs against 83.1–83.4 on the split kernel at 520, 247 against 255 at
+    // 2048; one row 18.8–18.9 against 20.2–20.4 at 2048.)
     const int n_max = max_position + 1, chunks_max = (n_max + kChunk - 1) / kChunk;
     const int most_splits = (chunks_max + kSplitWarps - 1) / kSplitWarps;
     const int group = heads / kv_heads;
+    const bool tc = head_dim == 64 || head_dim == 128;
     int g = 1;
     while (g * 2 <= 8 && group % (g * 2) == 0 && (split_heads <= 0 || g * 2 <= split_heads)) g *= 2;
-    bool tc = g >= 2 && (head_dim == 64 || head_dim == 128);
     if (!tc) g = std::min(g, max_split_heads(dpl));
-    const auto wave_of = [&](int gg) { return split_blocks_wave(dpl, gg, tc && gg == g); };
+    const auto wave_of = [&](int gg) { return split_blocks_wave(dpl, gg, tc); };
     if (split_heads == 0 && g > 1 &&
         int64_t(n_tiles) * (heads / g) * most_splits < (tc ? 1 : 2) * int64_t(wave_of(g)))
-      g = 1, tc = false;
+      g = 1;
     if (split_len <= 0) {
       // Splits per row: about one wave of resident blocks over all (row, head group) pairs (the
       // nearest count, at least 1), and at least 4 chunks (one per warp) in each. Splitting costs a

@@ -65,11 +65,10 @@ constexpr int kPromptRunRows = 64;
 // head / (heads / kv_heads)). Online softmax in float32. Row r of q starts at q + r·q_stride; out is
 // [rows, heads·head_dim]. max_tile: the largest tile's row count; with 1 (decode rows only, tile i
 // being row i) the positions are also split over thread blocks. max_position: the largest row
-// position. head_dim: a multiple of 8, ≤ 256. Decode rows with grouped-query heads (2, 4 or 8 per
-// block, head_dim 64 or 128) run on the tensor cores, with the queries and the probabilities in two
-// bf16 parts each. For decode rows only (benchmarks set them; 0: chosen): split_len, positions per
-// block, rounded up to a multiple of 32; split_heads, at most this many q heads of one kv head per
-// block.
+// position. head_dim: a multiple of 8, ≤ 256. Decode rows of head_dim 64 or 128 run on the tensor
+// cores, with the queries and the probabilities in two bf16 parts each. For decode rows only
+// (benchmarks set them; 0: chosen): split_len, positions per block, rounded up to a multiple of 32;
+// split_heads, at most this many q heads of one kv head per block.
 void attention(const float* q, int q_stride, const RowDesc* rows, const int2* tiles, int n_tiles, int max_tile,
                int max_position, int layer, int heads, int kv_heads, int head_dim, float scale,
                __nv_bfloat16* out, cudaStream_t stream, int split_len = 0, int split_heads = 0);
