@@ -902,8 +902,8 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
   if (max_tile <= 1 && n_tiles <= 65535 && (dpl == 2 || dpl == 4 || dpl == 8)) {
     // Head_dim 64 and 128 take the tensor-core kernel, others the split kernel. q heads per block:
     // with grouped-query attention, the largest of 8, 4, 2 that divides the heads per kv head (for
-    // the split kernel at most max_split_heads), where that still makes at least a wave of blocks at
-    // the most splits (2 waves for the split kernel); else 1. (7B-like 32/8 heads, run 70, the split
+    // the split kernel at most max_split_heads), where that still makes at least 2 waves of blocks at
+    // the most splits; else 1. (7B-like 32/8 heads, run 70, the split
     // kernel: 32 rows, 4 heads per block, took 40.4 µs at 520 positions against 67.5 with 1 and 403
     // against 751 at 8192; one row 16.9 against 11.5 at 520, 36.2 against 32.9 at 8192; 8 rows 23.2
     // against 20.8 at 520, 38.6 against 53.8 at 2048. Run 221, the tensor-core kernel: 32 rows
@@ -911,7 +911,9 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
     // at 520 and 18.4 against 15.3 at 2048 (fewer blocks than a wave), but 30.6–31.0 against 33.6 at
     // 8192; 8 rows at 520, 320 blocks, 19.2 against 20.8. Run 223, one head per block, 7B shape
     // (32/32): 32 rows 77.7–77.9 µs against 83.1–83.4 on the split kernel at 520, 247 against 255 at
-    // 2048; one row 18.8–18.9 against 20.2–20.4 at 2048.)
+    // 2048; one row 18.8–18.9 against 20.2–20.4 at 2048. With one head per block on the tensor cores
+    // too (run 224), 32/8: 8 rows at 520 (320 blocks) 18.1 against 19.3 grouped, one row at 8192 (512)
+    // 27.7 against 30.8, 8 rows at 2048 (1024) 42.0 against 29.5: 2 waves again, not 1.)
     const int n_max = max_position + 1, chunks_max = (n_max + kChunk - 1) / kChunk;
     const int most_splits = (chunks_max + kSplitWarps - 1) / kSplitWarps;
     const int group = heads / kv_heads;
@@ -920,9 +922,7 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
     while (g * 2 <= 8 && group % (g * 2) == 0 && (split_heads <= 0 || g * 2 <= split_heads)) g *= 2;
     if (!tc) g = std::min(g, max_split_heads(dpl));
     const auto wave_of = [&](int gg) { return split_blocks_wave(dpl, gg, tc); };
-    if (split_heads == 0 && g > 1 &&
-        int64_t(n_tiles) * (heads / g) * most_splits < (tc ? 1 : 2) * int64_t(wave_of(g)))
-      g = 1;
+    if (split_heads == 0 && g > 1 && int64_t(n_tiles) * (heads / g) * most_splits < 2 * int64_t(wave_of(g))) g = 1;
     if (split_len <= 0) {
       // Splits per row: about one wave of resident blocks over all (row, head group) pairs (the
       // nearest count, at least 1), and at least 4 chunks (one per warp) in each. Splitting costs a
