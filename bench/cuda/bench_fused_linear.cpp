@@ -308,6 +308,13 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       const ReadFloor fd = read_floor_us(
           [&](int s) { return std::vector<ReadRegion>{{W(s), wbytes}, {delta(s, 0).signs, sbytes}}; }, reps);
       add({shape, "a: floor", "one launch reading W, signs", fd.us, double(wbytes + sbytes), t_cublas, "x cuBLAS"});
+      if (one_row_only)  // how the floor depends on the bytes each multiprocessor keeps in flight
+        for (const ReadFloor* r : {&f, &fd}) {
+          std::printf("%-12s   (floor %s, every form: KB in flight per SM -> us:", shape.c_str(),
+                      r == &f ? "W" : "W, signs");
+          for (auto [kb, us] : r->forms) std::printf(" %g->%.2f", kb, us);
+          std::printf(")\n");
+        }
     }
     const double bytes = double(wbytes + sbytes) + N * 4.0;
     // One row of variant 0 with these options, timed alone.

@@ -104,15 +104,16 @@ ReadFloor read_floor_us(const std::function<std::vector<ReadRegion>(int)>& regio
       read_kernel<8><<<blocks, threads>>>(r, static_cast<unsigned*>(sink.ptr));
     BITDELTA_CUDA_CHECK(cudaGetLastError());
   };
-  ReadFloor best{1e30, ""};
+  ReadFloor best{1e30, "", {}};
   for (int threads : {256, 512, 1024})
     for (int per_sm : {1, 2, 4, 8}) {
       if (threads * per_sm > 2048) continue;
       for (int unroll : {4, 8}) {
         const double t = time_us([&](int rep) { launch(rep, sms * per_sm, threads, unroll); }, reps);
+        best.forms.emplace_back(per_sm * threads * unroll * 16 / 1024.0, t);
         if (t < best.us)
-          best = {t, std::to_string(per_sm) + " x " + std::to_string(threads) + " threads per SM, " +
-                         std::to_string(unroll) + " loads of 16 B in flight per thread"};
+          best.us = t, best.form = std::to_string(per_sm) + " x " + std::to_string(threads) + " threads per SM, " +
+                                   std::to_string(unroll) + " loads of 16 B in flight per thread";
       }
     }
   return best;

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace bitdelta::bench {
@@ -18,6 +19,9 @@ struct ReadRegion {
 struct ReadFloor {
   double us;          // median µs of one launch, the fastest of the forms tried
   std::string form;   // that form: blocks, threads and loads in flight
+  // Every form tried: (KB in flight per multiprocessor, median µs), the blocks per multiprocessor ×
+  // threads × loads of 16 B in flight per thread, in the order tried.
+  std::vector<std::pair<double, double>> forms;
 };
 
 // regions(rep): what launch rep reads (callers rotate buffers by rep so that L2 never holds them).
