@@ -3,9 +3,12 @@
 // launched with launch_chained, so that it may start while the kernel before it still runs. The rule
 // that keeps this correct: each such kernel calls pdl_launch_dependents() first (the next kernel may
 // then start too) and pdl_wait() before any access to memory that a kernel writes. Only reads of
-// weights and deltas (written before any step, with the stream synchronized) may come before the
-// wait; the linear kernels use that time to start on W (the register kernel sends its first block to
-// L2, the streaming kernel copies its first stages of W and the signs into shared memory). A kernel
+// weights and deltas (written before any step, with the stream synchronized) and of what a copy on the
+// stream put in place before the step's first kernel (the row descriptors, row map and attention tiles
+// of the step, RoPE's frequencies: a copy never starts early, so every kernel after it starts after it
+// has finished) may come before the wait. The linear kernels use that time to start on W (the register
+// kernel sends its first block to L2, the streaming kernel copies its first stages of W and the signs
+// into shared memory); the norm loads its weights, RoPE computes its sines and cosines. A kernel
 // past its wait knows that every earlier kernel on the stream has finished: its predecessor has, and
 // that one passed its own wait before finishing.
 // A kernel launched the ordinary way (cuBLAS) never signals early, so the next one starts after it.

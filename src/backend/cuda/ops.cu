@@ -57,17 +57,30 @@ template <int PER>
 __global__ void __launch_bounds__(1024) add_rmsnorm_kernel(float* x, const float* add, const RowDesc* rows, const int* row_map,
                                    int hidden, int norm_offset, int bias_offset, float eps, __nv_bfloat16* out) {
   pdl_launch_dependents();  // launch.cuh
-  pdl_wait();
+  // Before the wait: the row's descriptor and its norm weights (launch.cuh: the step's descriptors are
+  // copied in before its first kernel, the weights before any step), off the path after it.
+  // (At 16 elements a thread all of it stays after the wait: 1024 threads have 64 registers, and with
+  // the descriptor or the weights loaded before it ptxas spilled 60–216 bytes.)
+  if constexpr (PER > 8) pdl_wait();
   const int s = row_map ? row_map[blockIdx.x] : int(blockIdx.x);
-  float* xr = x + size_t(s) * hidden;
-  const float* bias = bias_offset >= 0 && rows[s].bias ? rows[s].bias + bias_offset : nullptr;
-  const float* w = rows[s].norms + norm_offset;
+  const RowDesc& row = rows[s];
+  const float* bias = bias_offset >= 0 && row.bias ? row.bias + bias_offset : nullptr;
+  const float* w = row.norms + norm_offset;
   float v[PER], wv[PER], sum = 0;
+  if constexpr (PER <= 8) {
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      wv[k] = i < hidden ? w[i] : 0.0f;
+    }
+    pdl_wait();
+  }
+  float* xr = x + size_t(s) * hidden;
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
     v[k] = i < hidden ? xr[i] : 0.0f;
-    wv[k] = i < hidden ? w[i] : 0.0f;
+    if constexpr (PER > 8) wv[k] = i < hidden ? w[i] : 0.0f;
     if (add && i < hidden) v[k] += add[size_t(s) * hidden + i] + (bias ? bias[i] : 0.0f);
   }
 #pragma unroll
@@ -95,7 +108,8 @@ __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q,
                                                                        int layer, int heads, int kv_heads,
                                                                        int head_dim, int hidden, const float* inv_freq) {
   pdl_launch_dependents();  // launch.cuh
-  pdl_wait();
+  // Before the wait: the row's descriptor and the cosines and sines of its position (launch.cuh: the
+  // descriptors and inv_freq are copied in before the step's first kernel), off the path after it.
   const int r = blockIdx.x;
   const RowDesc row = rows[r];
   const int half = head_dim / 2, q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
@@ -106,6 +120,7 @@ __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q,
     cos_s[i] = float(cd), sin_s[i] = float(sd);
   }
   __syncthreads();
+  pdl_wait();
   const float* bias = row.bias ? row.bias + size_t(layer) * (q_dim + 2 * kv_dim + hidden) : nullptr;
   __nv_bfloat16* kr_out = row.kv + kv_index(layer, 0, size_t(row.position), size_t(row.kv_capacity), kv_dim);
   __nv_bfloat16* vr_out = row.kv + kv_index(layer, 1, size_t(row.position), size_t(row.kv_capacity), kv_dim);
@@ -155,10 +170,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
                                                                     int heads, int kv_heads, int head_dim,
                                                                     float scale, __nv_bfloat16* out) {
   pdl_launch_dependents();  // launch.cuh
-  pdl_wait();
   const int h = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // Before the wait (launch.cuh: the tiles and descriptors are copied in before the step's first kernel).
   const int2 tile = tiles[blockIdx.x];  // first row, row count
   const RowDesc first = rows[tile.x];
+  pdl_wait();
   const int p0 = first.position, n = tile.y, p_last = p0 + n - 1;
   const int kv_dim = kv_heads * head_dim, kvh = h / (heads / kv_heads);
   const size_t stride = size_t(kv_dim);  // between positions
@@ -321,12 +337,12 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
                                                                            unsigned* arrived, int max_splits,
                                                                            __nv_bfloat16* out) {
   pdl_launch_dependents();  // launch.cuh
-  pdl_wait();
   const int hg = blockIdx.x, r = blockIdx.y, sp = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int h0 = hg * G;  // the block's q heads: h0 .. h0 + G − 1
-  const RowDesc row = rows[r];
+  const RowDesc row = rows[r];  // before the wait (launch.cuh: copied in before the step's first kernel)
   const int n = row.position + 1, splits = (n + split_len - 1) / split_len;
   if (sp >= splits) return;  // the whole block
+  pdl_wait();
   // This split's chunks [chunk_begin, chunk_end): the row's chunks spread evenly over its splits, at
   // least one each (split_len ≥ 32, so splits ≤ chunks).
   const int chunks = (n + kChunk - 1) / kChunk;
@@ -565,12 +581,12 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_mma_kernel(const f
   static_assert(G == 1 || G == 2 || G == 4 || G == 8);
   constexpr int SL = HD / 32, DG = HD / 8, VW = DG / 8;  // slices; dims per lane g in p·v; uint4 per position
   pdl_launch_dependents();  // launch.cuh
-  pdl_wait();
   const int hg = blockIdx.x, r = blockIdx.y, sp = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane >> 2, t = lane & 3, h0 = hg * G;
-  const RowDesc row = rows[r];
+  const RowDesc row = rows[r];  // before the wait (launch.cuh: copied in before the step's first kernel)
   const int n = row.position + 1, splits = (n + split_len - 1) / split_len;
   if (sp >= splits) return;
+  pdl_wait();
   const int chunks = (n + kChunk - 1) / kChunk;
   const int chunk_begin = sp * chunks / splits, chunk_end = (sp + 1) * chunks / splits;
   const int kv_dim = kv_heads * HD, kvh = h0 / (heads / kv_heads);
