@@ -13,7 +13,9 @@
 
 namespace bitdelta::cuda {
 
-// One row of a step, as the kernels see it (device memory).
+// One row of a step, as the kernels see it (device memory). The kernels read the descriptors (and
+// the row map and attention tiles) before they wait for the kernel before them (launch.cuh), so these
+// must be put in place by a copy or a synchronized write, never by a kernel of the same chain.
 struct RowDesc {
   int32_t token;
   int32_t position;
