@@ -769,7 +769,7 @@ const void* split_kernel(int dpl, int g) {
   return dpl == 2 ? split_kernel_for<2>(g) : dpl == 4 ? split_kernel_for<4>(g) : split_kernel_for<8>(g);
 }
 
-// The tensor-core kernel's instance for head_dim 64 or 128 and g = 2, 4 or 8 heads per block.
+// The tensor-core kernel's instance for head_dim 64 or 128 and g = 1, 2, 4 or 8 heads per block.
 template <int HD>
 const void* mma_kernel_for(int g) {
   return g == 8   ? reinterpret_cast<const void*>(attention_mma_kernel<HD, 8>)
