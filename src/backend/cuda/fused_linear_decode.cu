@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
@@ -674,7 +677,13 @@ void launch_row(const RowPlan& plan, const __nv_bfloat16* w, int N, int K, const
       allow_row_smem<decode_row_kernel<false>>();
   }
   const auto kernel = d ? decode_row_kernel<true> : decode_row_kernel<false>;
-  launch_chained(kernel, grid, block, plan.smem, stream, r);
+  // Two blocks per multiprocessor (each with 1 KB the system reserves), at least the preference of
+  // every chained kernel (launch.cuh).
+  prefer_shared_config(reinterpret_cast<const void*>(kernel),
+                       std::max(kPreferredSharedBytes, unsigned(2 * (plan.smem + (1u << 10)))));
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = chained_config(grid, block, plan.smem, stream, attr);
+  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, r));
 }
 
 // quantize_x's kernel: a thread per item (32 columns of a row and 256-column block: quantize_item),
@@ -737,6 +746,31 @@ bool dependent_launch_supported() {
     if (dev < kDevices) known[dev].store(v, std::memory_order_relaxed);
   }
   return v == 2;
+}
+
+void prefer_shared_config(const void* kernel, unsigned bytes) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, int> last_set;  // the percentage last set
+  int dev = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  int per_sm = 0;
+  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  if (per_sm <= 0) return;
+  // The configuration: the least of sm_80/sm_90's (KB) that holds `bytes`; as a percentage of the most
+  // a multiprocessor has, rounded down, which the driver rounds up to that configuration again (64 KB
+  // of the H200's 228: 28%, 63.8 KB).
+  unsigned config = unsigned(per_sm);
+  for (unsigned kb : {8u, 16u, 32u, 64u, 100u, 132u, 164u, 196u, 228u})
+    if ((kb << 10) >= bytes) {
+      config = std::min(config, kb << 10);
+      break;
+    }
+  const int pct = int(uint64_t(config) * 100 / unsigned(per_sm));
+  std::lock_guard<std::mutex> lock(mu);
+  int& last = last_set.try_emplace({dev, kernel}, -1).first->second;
+  if (last == pct) return;
+  BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct));
+  last = pct;
 }
 
 size_t packed_signs_bytes(int N, int K) { return packed_sign_words(N, K) * 4; }

@@ -57,10 +57,24 @@ inline cudaLaunchConfig_t chained_config(dim3 grid, dim3 block, size_t smem, cud
   return cfg;
 }
 
+// The shared-memory configuration a chained kernel prefers: at least `bytes` per multiprocessor (the
+// driver rounds up to a configuration it has; the rest of the 256 KB is L1), set when it changes for
+// that kernel and device. Every chained kernel prefers 64 KB, the one-row kernel more where two of its
+// blocks need more. Left to the driver, each launch took the least shared memory that its blocks'
+// occupancy by shared memory alone needs, and a decode step changed configuration 162–258 times in
+// 291 launches (ncu, run 236): add_rmsnorm 8 KB, RoPE, attention and SwiGLU 32 KB, the one-row kernel
+// 8–100 KB, the streaming kernel 228 KB. With this rule the mixed batch-32 step of the 7B shape took
+// 11.83–11.89 ms against 12.22–12.23, every other step level (run 238, interleaved). Larger
+// preferences slowed batch 1 (100 KB and more: the one-row kernel's loads need L1; run 236), and a
+// preference on the other kernels but not on the one-row kernel made it 40% slower (run 237).
+constexpr unsigned kPreferredSharedBytes = 64u << 10;
+void prefer_shared_config(const void* kernel, unsigned bytes = kPreferredSharedBytes);
+
 // kernel<<<grid, block, smem, stream>>>(args...), chained.
 template <typename... Params, typename... Args>
 void launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                     Args&&... args) {
+  prefer_shared_config(reinterpret_cast<const void*>(kernel));
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = chained_config(grid, block, smem, stream, attr);
   BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
@@ -68,6 +82,7 @@ void launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block, size_t sme
 
 // The same for a kernel chosen at run time, its arguments as an array of pointers.
 inline void launch_chained(const void* kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void** args) {
+  prefer_shared_config(kernel);
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = chained_config(grid, block, smem, stream, attr);
   BITDELTA_CUDA_CHECK(cudaLaunchKernelExC(&cfg, kernel, args));
