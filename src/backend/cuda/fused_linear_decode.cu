@@ -677,13 +677,10 @@ void launch_row(const RowPlan& plan, const __nv_bfloat16* w, int N, int K, const
       allow_row_smem<decode_row_kernel<false>>();
   }
   const auto kernel = d ? decode_row_kernel<true> : decode_row_kernel<false>;
-  // Two blocks per multiprocessor (each with 1 KB the system reserves), at least the preference of
-  // every chained kernel (launch.cuh).
-  prefer_shared_config(reinterpret_cast<const void*>(kernel),
-                       std::max(kPreferredSharedBytes, unsigned(2 * (plan.smem + (1u << 10)))));
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = chained_config(grid, block, plan.smem, stream, attr);
-  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, r));
+  // Shared memory for two blocks per multiprocessor (each with 1 KB the system reserves), at least
+  // what every chained kernel prefers (launch.cuh).
+  launch_chained_shared(std::max(kPreferredSharedBytes, unsigned(2 * (plan.smem + (1u << 10)))), kernel, grid, block,
+                        plan.smem, stream, r);
 }
 
 // quantize_x's kernel: a thread per item (32 columns of a row and 256-column block: quantize_item),
@@ -750,9 +747,12 @@ bool dependent_launch_supported() {
 
 void prefer_shared_config(const void* kernel, unsigned bytes) {
   static std::mutex mu;
-  static std::map<std::pair<int, const void*>, int> last_set;  // the percentage last set
+  static std::map<std::pair<int, const void*>, unsigned> last_set;  // the bytes last asked for
   int dev = 0;
   BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  unsigned& last = last_set.try_emplace({dev, kernel}, 0u).first->second;
+  if (last == bytes) return;  // every launch but a kernel's first (or the one-row kernel's at a new size)
   int per_sm = 0;
   BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
   if (per_sm <= 0) return;
@@ -766,11 +766,8 @@ void prefer_shared_config(const void* kernel, unsigned bytes) {
       break;
     }
   const int pct = int(uint64_t(config) * 100 / unsigned(per_sm));
-  std::lock_guard<std::mutex> lock(mu);
-  int& last = last_set.try_emplace({dev, kernel}, -1).first->second;
-  if (last == pct) return;
   BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct));
-  last = pct;
+  last = bytes;
 }
 
 size_t packed_signs_bytes(int N, int K) { return packed_sign_words(N, K) * 4; }

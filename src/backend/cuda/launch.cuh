@@ -70,14 +70,22 @@ inline cudaLaunchConfig_t chained_config(dim3 grid, dim3 block, size_t smem, cud
 constexpr unsigned kPreferredSharedBytes = 64u << 10;
 void prefer_shared_config(const void* kernel, unsigned bytes = kPreferredSharedBytes);
 
+// kernel<<<grid, block, smem, stream>>>(args...), chained, preferring `shared` bytes of shared
+// memory per multiprocessor.
+template <typename... Params, typename... Args>
+void launch_chained_shared(unsigned shared, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                           cudaStream_t stream, Args&&... args) {
+  prefer_shared_config(reinterpret_cast<const void*>(kernel), shared);
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = chained_config(grid, block, smem, stream, attr);
+  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), chained.
 template <typename... Params, typename... Args>
 void launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                     Args&&... args) {
-  prefer_shared_config(reinterpret_cast<const void*>(kernel));
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = chained_config(grid, block, smem, stream, attr);
-  BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+  launch_chained_shared(kPreferredSharedBytes, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 // The same for a kernel chosen at run time, its arguments as an array of pointers.
