@@ -1,6 +1,6 @@
 // End to end on a CUDA device (issue 6): a synthetic model (make_synthetic: DIR/base and
 // DIR/deltas/v*.bitdelta) served with its variants mixed.
-//   bench_gpu_e2e DIR [--prompt 512] [--decode 32] [--batch 32] [--requests 20] [--out FILE.json]
+//   bench_gpu_e2e DIR [--prompt 512] [--decode 32] [--batch 32] [--requests 20] [--graphs 1] [--out FILE.json]
 // Measures, in this order:
 //   1. the device's copy bandwidth (the roofline), host→device bandwidth from pinned memory, and
 //      the disk's read speed (a delta file dropped from the page cache, then read);
@@ -10,6 +10,8 @@
 //   4. decode tokens/s: batch 1 (base, one variant), batch B (base alone; all variants mixed),
 //      after prompts of `prompt` tokens; bytes per step against the copy-bandwidth roofline;
 //   5. TTFT p50/p99 per variant and for the base through the engine, one request at a time.
+// --graphs 0 launches every decode step's kernels one by one (ModelOptions::cuda_graphs); by default
+// a step whose batch is the step before's is captured as a CUDA graph and replayed after.
 // --profile-case NAME runs only the decode cases whose name contains NAME (then stops), with their
 // fourth step between cudaProfilerStart and cudaProfilerStop: `ncu --profile-from-start off` then
 // times each kernel of one decode step. With --profile-what prompt, the first sequence's prompt (one
@@ -121,12 +123,12 @@ double read_file_speed(const fs::path& p) {
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
-                 "usage: bench_gpu_e2e DIR [--prompt P] [--decode D] [--batch B] [--requests N] [--out F] "
+                 "usage: bench_gpu_e2e DIR [--prompt P] [--decode D] [--batch B] [--requests N] [--graphs 0|1] [--out F] "
                  "[--profile-case NAME [--profile-what step|prompt]]\n");
     return 2;
   }
   const fs::path dir = argv[1];
-  size_t prompt = 512, decode = 32, batch = 32, requests = 20;
+  size_t prompt = 512, decode = 32, batch = 32, requests = 20, graphs = 1;
   std::string out_path, profile_case, profile_what = "step";
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
@@ -151,6 +153,7 @@ int main(int argc, char** argv) {
     else if (k == "--decode") decode = v;
     else if (k == "--batch") batch = v;
     else if (k == "--requests") requests = v;
+    else if (k == "--graphs") graphs = v;
   }
   json out;
   std::vector<fs::path> deltas;  // DIR/deltas/v0.bitdelta, v1, ... in numeric order
@@ -178,6 +181,7 @@ int main(int argc, char** argv) {
     ModelOptions mo;
     mo.device = Device::Cuda;
     mo.threads = 8;
+    mo.cuda_graphs = graphs != 0;
     const auto tb = Clock::now();
     Model model(dir / "base", mo);
     const double base_load = secs(tb, Clock::now());
@@ -278,6 +282,7 @@ int main(int argc, char** argv) {
         if (profile_prompt) check(cudaProfilerStop(), "cudaProfilerStop");
       }
       std::vector<double> times;
+      const cuda::GraphStats g0 = model.device_model()->graph_stats();
       for (size_t step = 0; step < decode; ++step) {
         std::vector<ForwardRow> rows;
         for (size_t s = 0; s < seqs.size(); ++s) rows.push_back({&seqs[s], int32_t((s * 31 + step * 7) % 1000), true});
@@ -301,8 +306,12 @@ int main(int argc, char** argv) {
       const double t = median(times);
       std::printf("%-44s %8.2f ms %10.1f %10.2f %8.2f\n", cs.name.c_str(), t * 1e3, double(seqs.size()) / t, bytes / 1e9,
                   bytes / d2d / t);
+      const cuda::GraphStats g1 = model.device_model()->graph_stats();
+      std::printf("%-44s %llu captured, %llu replayed as CUDA graphs\n", "", (unsigned long long)(g1.captured - g0.captured),
+                  (unsigned long long)(g1.replayed - g0.replayed));
       dec.push_back({{"case", cs.name}, {"step_s", t}, {"tokens_per_s", double(seqs.size()) / t}, {"bytes", bytes},
-                     {"roofline_fraction", bytes / d2d / t}});
+                     {"roofline_fraction", bytes / d2d / t}, {"graphs_captured", g1.captured - g0.captured},
+                     {"graphs_replayed", g1.replayed - g0.replayed}});
     }
     out["decode"] = dec;
   } catch (const std::exception& e) {

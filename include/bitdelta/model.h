@@ -66,6 +66,7 @@ struct ModelOptions {
   Device device = Device::Cpu;
   int cuda_device = 0;                             // CUDA device ordinal
   uint64_t host_cache_bytes = uint64_t(16) << 30;  // CUDA: pinned host copies of deltas kept for reloads
+  bool cuda_graphs = true;  // CUDA: decode steps replayed as graphs when a batch stays (cuda::DeviceModel)
 };
 // The options for `--device TEXT` ("cpu", "cuda" or "cuda:N"); throws Error naming TEXT otherwise.
 ModelOptions model_options(const std::string& device, size_t threads = 0,

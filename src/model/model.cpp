@@ -155,6 +155,7 @@ Model::Model(const fs::path& dir, const ModelOptions& options)
     cuda::DeviceOptions d;
     d.device = options.cuda_device;
     d.host_cache_bytes = options.host_cache_bytes;
+    d.graphs = options.cuda_graphs;
     device_ = std::make_unique<cuda::DeviceModel>(config_, *variants_[0], inv_freq_, d);
   }
 }

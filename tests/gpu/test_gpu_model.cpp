@@ -200,6 +200,90 @@ TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
   std::printf("  mixed step of %zu rows: worst |gpu - cpu| logit %.2e\n", mixed.size(), worst);
 }
 
+// Decode steps replayed as CUDA graphs (a batch that stays is captured on its second step) give the
+// logits of the same steps launched kernel by kernel, for every kind of step: one row (the one-row
+// kernel), many rows of many variants (the streaming kernel, which quantizes x itself), many rows of
+// one variant (the fused GEMM) and of the base (cuBLAS); and after a variant is dropped and another
+// installed (the graphs captured before address the old buffers and must not run).
+TEST_F(GpuModel, DecodeStepsReplayedAsGraphsMatchStepsLaunchedOneByOne) {
+  ModelOptions no = on_cuda();
+  no.cuda_graphs = false;
+  Model graphs(kDemo / "base", on_cuda());
+  Model plain(kDemo / "base", no);
+  std::vector<int> ids{0};
+  for (const char* n : {"coder", "math", "writer", "legal"}) {
+    ids.push_back(graphs.add_variant(n, delta(n, AlphaMode::Row)));
+    ASSERT_EQ(plain.add_variant(n, delta(n, AlphaMode::Row)), ids.back());
+  }
+  const size_t V = graphs.config().vocab_size;
+  double worst = 0;
+  // The same kernels with the same inputs: equal up to the order of a sum split over blocks.
+  auto expect_close = [&](const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    for (size_t i = 0; i < got.size(); ++i) {
+      worst = std::max(worst, double(std::abs(got[i] - want[i])));
+      ASSERT_NEAR(got[i], want[i], 1e-3 * (1 + std::abs(want[i]))) << what << ", row " << i / V << ", logit " << i % V;
+    }
+  };
+  // Sequence s of `variants` gets a prompt of 3 + s tokens; then `steps` decode steps of all of them.
+  auto run = [&](const std::string& name, const std::vector<int>& variants, size_t steps) {
+    const cuda::GraphStats before = graphs.device_model()->graph_stats();
+    std::vector<Sequence> gs, ps;
+    for (int v : variants) {
+      gs.push_back(graphs.new_sequence(v));
+      ps.push_back(plain.new_sequence(v));
+    }
+    auto token = [](size_t seq, size_t pos) { return int32_t(7 + (seq * 389 + pos * 61) % 3000); };
+    std::vector<size_t> pos(variants.size(), 0);
+    for (size_t s = 0; s < variants.size(); ++s) {
+      std::vector<ForwardRow> g, p;
+      for (; pos[s] < 3 + s; ++pos[s]) {
+        g.push_back({&gs[s], token(s, pos[s]), pos[s] == 2 + s});
+        p.push_back({&ps[s], token(s, pos[s]), pos[s] == 2 + s});
+      }
+      expect_close(graphs.forward(g), plain.forward(p), name + ": prompt of sequence " + std::to_string(s));
+    }
+    for (size_t step = 0; step < steps; ++step) {
+      std::vector<ForwardRow> g, p;
+      for (size_t s = 0; s < variants.size(); ++s) {
+        g.push_back({&gs[s], token(s, pos[s]), true});
+        p.push_back({&ps[s], token(s, pos[s]), true});
+        ++pos[s];
+      }
+      const auto got = graphs.forward(g);
+      ASSERT_EQ(got.size(), variants.size() * V);
+      expect_close(got, plain.forward(p), name + ": step " + std::to_string(step));
+    }
+    // Step 0 follows another batch (the last prompt); step 1 is captured (or step 2, where step 0
+    // grew a buffer), the rest replay.
+    EXPECT_GE(graphs.device_model()->graph_stats().replayed - before.replayed, steps - 3) << name;
+  };
+  std::vector<int> mixed, one, base;
+  for (int i = 0; i < 12; ++i) {
+    mixed.push_back(ids[size_t(i % 5)]);
+    one.push_back(ids[3]);
+    base.push_back(0);
+  }
+  run("one row of the base", {0}, 8);
+  run("one row of a variant", {ids[1]}, 8);
+  run("12 rows of 5 variants", mixed, 8);
+  run("12 rows of one variant", one, 8);
+  run("12 rows of the base", base, 8);
+  run("one row of a variant again", {ids[1]}, 6);
+  graphs.remove_variant(ids[2]);
+  plain.remove_variant(ids[2]);
+  const int again = graphs.add_variant("math again", delta("math", AlphaMode::Tensor));
+  ASSERT_EQ(plain.add_variant("math again", delta("math", AlphaMode::Tensor)), again);
+  std::vector<int> mixed2;
+  for (int i = 0; i < 12; ++i) mixed2.push_back(i % 3 == 0 ? again : i % 3 == 1 ? ids[1] : 0);
+  run("12 rows of 3 variants after a variant was replaced", mixed2, 8);
+  const auto st = graphs.device_model()->graph_stats();
+  EXPECT_GE(st.captured, 6u);
+  EXPECT_EQ(plain.device_model()->graph_stats().captured + plain.device_model()->graph_stats().replayed, 0u);
+  std::printf("  %llu steps captured, %llu replayed; worst |graph - launched| logit %.2e\n",
+              (unsigned long long)st.captured, (unsigned long long)st.replayed, worst);
+}
+
 // The engine on the device with room for one delta on the GPU: alternating requests evict and
 // reload, the second load of a delta comes from the pinned host tier, and every answer equals the
 // same greedy generation run directly on a device model.

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -20,6 +21,7 @@
 #include "fused_linear_decode.cuh"
 #include "fused_linear_prefill.cuh"
 #include "ops.cuh"
+#include "stream_scratch.cuh"
 
 namespace bitdelta::cuda {
 
@@ -375,9 +377,37 @@ struct DeviceModel::Impl {
   float* host_logits = nullptr;
   size_t host_logits_elems = 0;
 
-  Impl(const ModelConfig& config, const DeviceOptions& o) : c(config), host_tier(o.host_cache_bytes) {}
+  // Decode steps replayed as CUDA graphs (forward). A step's launches are decided by its key: the
+  // rows' variants in their sorted order, the rows that want logits, the attention tiles and split,
+  // and (for all graphs together) the buffers they address: the step scratch (scratch_version), the
+  // installed variants (variants_version) and stream_scratch's buffers. A graph is captured when a
+  // step has the key of the step before it (a batch that stays, as decoding batches do) and replayed
+  // while it is among the kStepGraphs most recently used.
+  static constexpr size_t kStepGraphs = 8;
+  struct StepGraph {
+    std::vector<uintptr_t> key;
+    cudaGraphExec_t exec = nullptr;
+    uint64_t last_used = 0;
+  };
+  bool graphs_enabled = true;
+  std::vector<StepGraph> step_graphs;
+  std::vector<uintptr_t> last_key, failed_key;  // the step before's; one whose capture failed
+  uint64_t scratch_version = 0, variants_version = 0, steps = 0;
+  std::array<uint64_t, 3> graphs_made_at{};  // the versions the graphs were captured under
+  GraphStats graph_stats;
+
+  void drop_graphs() {
+    for (auto& g : step_graphs) cudaGraphExecDestroy(g.exec);
+    step_graphs.clear();
+    last_key.clear();
+    failed_key.clear();
+  }
+
+  Impl(const ModelConfig& config, const DeviceOptions& o)
+      : c(config), host_tier(o.host_cache_bytes), graphs_enabled(o.graphs) {}
   ~Impl() {
     if (ctx->stream) cudaStreamSynchronize(ctx->stream);
+    drop_graphs();
     variants.clear();
     prefill.reset();
     if (scratch) cudaFreeAsync(scratch, ctx->stream);
@@ -398,6 +428,7 @@ struct DeviceModel::Impl {
     for (size_t s : sizes) total += align_up(s);
     if (scratch) cudaFreeAsync(scratch, ctx->stream);
     scratch = static_cast<std::byte*>(device_alloc(total, ctx->stream, "step activations"));
+    ++scratch_version;
     std::byte* p = scratch;
     auto take = [&](size_t s) {
       std::byte* r = p;
@@ -583,12 +614,16 @@ void DeviceModel::install(int id, std::shared_ptr<DeviceVariant> variant) {
   if (id < 1) fail("cuda::DeviceModel::install: bad variant id ", id);
   if (size_t(id) >= vs.size()) vs.resize(size_t(id) + 1);
   vs[size_t(id)] = std::move(variant);
+  ++impl_->variants_version;
 }
 
 void DeviceModel::remove(int id) {
   auto& vs = impl_->variants;
   if (id > 0 && size_t(id) < vs.size()) vs[size_t(id)].reset();
+  ++impl_->variants_version;
 }
+
+GraphStats DeviceModel::graph_stats() const { return impl_->graph_stats; }
 
 DeviceMemory DeviceModel::memory() const {
   const auto& ctx = *impl_->ctx;
@@ -708,47 +743,106 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   const float eps = float(c.rms_eps), scale = 1.0f / std::sqrt(float(hd));
   const int bias_stride = qd + 2 * kvd + H;
   cudaStream_t s = m.ctx->stream;
-  embed_rows(m.rows_dev, int(R), H, m.x, s);
-  for (int l = 0; l < L; ++l) {
-    add_rmsnorm(m.x, l ? m.down : nullptr, m.rows_dev, nullptr, int(R), H, 2 * l * H, -1, eps, m.h, s);
-    if (fused_linear(l, 0, m.h, H, m.q, qd + 2 * kvd)) {
-      bias_rope_store(m.q, m.q + qd, m.q + qd + kvd, qd + 2 * kvd, qd + 2 * kvd, m.rows_dev, int(R), l, heads, kvh,
-                      hd, H, m.inv_freq, s);
-      attention(m.q, qd + 2 * kvd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, heads, kvh, hd, scale, m.attn, s);
-      for (const int2 run : prompt_runs)
-        attention_prompt(m.prefill->handle(), m.q, qd + 2 * kvd, desc[run.x], run.x, run.y, l, heads, kvh, hd, scale,
-                         m.attn, s);
-    } else {
-      linear(l, kQ, m.h, H, m.q, qd);
-      linear(l, kK, m.h, H, m.k, kvd);
-      linear(l, kV, m.h, H, m.v, kvd);
-      bias_rope_store(m.q, m.k, m.v, qd, kvd, m.rows_dev, int(R), l, heads, kvh, hd, H, m.inv_freq, s);
-      attention(m.q, qd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, heads, kvh, hd, scale, m.attn, s);
-      for (const int2 run : prompt_runs)
-        attention_prompt(m.prefill->handle(), m.q, qd, desc[run.x], run.x, run.y, l, heads, kvh, hd, scale, m.attn, s);
+  // The step's launches (after the copies above, which every step makes).
+  const auto issue = [&] {
+    embed_rows(m.rows_dev, int(R), H, m.x, s);
+    for (int l = 0; l < L; ++l) {
+      add_rmsnorm(m.x, l ? m.down : nullptr, m.rows_dev, nullptr, int(R), H, 2 * l * H, -1, eps, m.h, s);
+      if (fused_linear(l, 0, m.h, H, m.q, qd + 2 * kvd)) {
+        bias_rope_store(m.q, m.q + qd, m.q + qd + kvd, qd + 2 * kvd, qd + 2 * kvd, m.rows_dev, int(R), l, heads, kvh,
+                        hd, H, m.inv_freq, s);
+        attention(m.q, qd + 2 * kvd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, heads, kvh, hd, scale, m.attn, s);
+        for (const int2 run : prompt_runs)
+          attention_prompt(m.prefill->handle(), m.q, qd + 2 * kvd, desc[run.x], run.x, run.y, l, heads, kvh, hd, scale,
+                           m.attn, s);
+      } else {
+        linear(l, kQ, m.h, H, m.q, qd);
+        linear(l, kK, m.h, H, m.k, kvd);
+        linear(l, kV, m.h, H, m.v, kvd);
+        bias_rope_store(m.q, m.k, m.v, qd, kvd, m.rows_dev, int(R), l, heads, kvh, hd, H, m.inv_freq, s);
+        attention(m.q, qd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, heads, kvh, hd, scale, m.attn, s);
+        for (const int2 run : prompt_runs)
+          attention_prompt(m.prefill->handle(), m.q, qd, desc[run.x], run.x, run.y, l, heads, kvh, hd, scale, m.attn, s);
+      }
+      linear(l, kO, m.attn, qd, m.o, H);
+      add_rmsnorm(m.x, m.o, m.rows_dev, nullptr, int(R), H, (2 * l + 1) * H,
+                  c.o_bias ? l * bias_stride + qd + 2 * kvd : -1, eps, m.h, s);
+      if (fused_linear(l, 1, m.h, H, m.gate, 2 * I)) {
+        swiglu(m.gate, m.gate + I, 2 * I, int(R), I, m.act, s);
+      } else {
+        linear(l, kGate, m.h, H, m.gate, I);
+        linear(l, kUp, m.h, H, m.up, I);
+        swiglu(m.gate, m.up, I, int(R), I, m.act, s);
+      }
+      linear(l, kDown, m.act, I, m.down, H);
     }
-    linear(l, kO, m.attn, qd, m.o, H);
-    add_rmsnorm(m.x, m.o, m.rows_dev, nullptr, int(R), H, (2 * l + 1) * H,
-                c.o_bias ? l * bias_stride + qd + 2 * kvd : -1, eps, m.h, s);
-    if (fused_linear(l, 1, m.h, H, m.gate, 2 * I)) {
-      swiglu(m.gate, m.gate + I, 2 * I, int(R), I, m.act, s);
-    } else {
-      linear(l, kGate, m.h, H, m.gate, I);
-      linear(l, kUp, m.h, H, m.up, I);
-      swiglu(m.gate, m.up, I, int(R), I, m.act, s);
+    if (W > 0) {
+      add_rmsnorm(m.x, m.down, m.rows_dev, m.map_dev, int(W), H, 2 * L * H, -1, eps, m.h, s);
+      std::vector<LinearOnDevice> heads_lin(W);
+      std::vector<const LinearOnDevice*> hl(W);
+      for (size_t j = 0; j < W; ++j) {
+        heads_lin[j].w = var[want_sorted[j]]->lm_head;
+        hl[j] = &heads_lin[j];
+      }
+      m.linear(hl, m.h, H, m.logits, V);
     }
-    linear(l, kDown, m.act, I, m.down, H);
+  };
+  if (m.graphs_enabled && prompt_runs.empty()) {
+    // The key of this step's launches (see Impl): rows, tiles and attention split, each row's variant,
+    // the rows that want logits.
+    std::vector<uintptr_t> key{R, W, uintptr_t(n_tiles), uintptr_t(max_tile)};
+    for (int v : attention_shape(n_tiles, max_tile, max_position, heads, kvh, hd)) key.push_back(uintptr_t(v));
+    for (const DeviceVariant* v : var) key.push_back(reinterpret_cast<uintptr_t>(v));
+    for (size_t j : want_sorted) key.push_back(j);
+    const std::array<uint64_t, 3> version{m.scratch_version, m.variants_version, stream_scratch_generation()};
+    if (version != m.graphs_made_at) {
+      m.drop_graphs();
+      m.graphs_made_at = version;
+    }
+    ++m.steps;
+    auto found = std::find_if(m.step_graphs.begin(), m.step_graphs.end(), [&](const auto& g) { return g.key == key; });
+    if (found != m.step_graphs.end()) {
+      found->last_used = m.steps;
+      BITDELTA_CUDA_CHECK(cudaGraphLaunch(found->exec, s));
+      ++m.graph_stats.replayed;
+    } else if (key == m.last_key && key != m.failed_key) {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      bool captured = false;
+      BITDELTA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+      try {
+        issue();
+        captured = true;
+      } catch (const Error&) {  // retried below, launched one by one
+      }
+      const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+      if (captured && ended == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess &&
+          std::array<uint64_t, 3>{m.scratch_version, m.variants_version, stream_scratch_generation()} == version) {
+        if (m.step_graphs.size() == Impl::kStepGraphs) {  // the least recently used goes
+          auto lru = std::min_element(m.step_graphs.begin(), m.step_graphs.end(),
+                                      [](const auto& x, const auto& y) { return x.last_used < y.last_used; });
+          cudaGraphExecDestroy(lru->exec);
+          m.step_graphs.erase(lru);
+        }
+        m.step_graphs.push_back({key, exec, m.steps});
+        BITDELTA_CUDA_CHECK(cudaGraphLaunch(exec, s));
+        ++m.graph_stats.captured;
+      } else {
+        if (exec) cudaGraphExecDestroy(exec);
+        (void)cudaGetLastError();
+        m.failed_key = key;
+        issue();
+      }
+      if (graph) cudaGraphDestroy(graph);
+    } else {
+      issue();
+    }
+    m.last_key = std::move(key);
+  } else {
+    issue();
   }
   std::vector<float> out;
   if (W > 0) {
-    add_rmsnorm(m.x, m.down, m.rows_dev, m.map_dev, int(W), H, 2 * L * H, -1, eps, m.h, s);
-    std::vector<LinearOnDevice> heads_lin(W);
-    std::vector<const LinearOnDevice*> hl(W);
-    for (size_t j = 0; j < W; ++j) {
-      heads_lin[j].w = var[want_sorted[j]]->lm_head;
-      hl[j] = &heads_lin[j];
-    }
-    m.linear(hl, m.h, H, m.logits, V);
     if (W * size_t(V) > m.host_logits_elems) {
       BITDELTA_CUDA_CHECK(cudaStreamSynchronize(s));
       if (m.host_logits) cudaFreeHost(m.host_logits);

@@ -28,6 +28,7 @@ std::string unavailable_reason();
 struct DeviceOptions {
   int device = 0;                                // CUDA device ordinal
   uint64_t host_cache_bytes = uint64_t(16) << 30;  // pinned host copies of deltas kept for reloads
+  bool graphs = true;  // decode steps replayed as CUDA graphs when the same batch comes again
 };
 
 // A variant's tensors on the device (its delta's signs, α and whole tensors; its norms and biases).
@@ -41,6 +42,11 @@ struct DeviceRow {
   int32_t token;
   size_t position;
   bool want_logits;
+};
+
+// Decode steps captured as CUDA graphs and steps replayed from one.
+struct GraphStats {
+  uint64_t captured = 0, replayed = 0;
 };
 
 struct DeviceMemory {
@@ -68,8 +74,13 @@ class DeviceModel {
   void install(int id, std::shared_ptr<DeviceVariant> variant);
   void remove(int id);
 
-  // One step; logits of the rows with want_logits, in row order, [count, vocab].
+  // One step; logits of the rows with want_logits, in row order, [count, vocab]. A step of decode
+  // rows (no prompt run) whose batch has the same launches as the step before (the same rows'
+  // variants in the same order, the same attention split, the same step buffers) is captured as a
+  // CUDA graph, and later steps with those launches replay it: the positions and tokens are in the
+  // row descriptors, which every step copies in before its launches.
   std::vector<float> forward(std::span<const DeviceRow> rows);
+  GraphStats graph_stats() const;
 
   DeviceMemory memory() const;
   std::string device_name() const;

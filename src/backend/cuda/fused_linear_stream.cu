@@ -44,11 +44,10 @@ struct StreamParams {
   CUtensorMap signs[kMaxStreamVariants];  // per distinct variant
   uint8_t* xq;
   // With quantize: the kernel quantizes x (xg) into xq first, block b taking 256-column blocks b,
-  // b + blocks, …, and then sets ready[kb] = epoch (one word per block of K, a value no earlier launch
-  // on this stream used; see the kernel).
+  // b + blocks, …, and then sets ready[kb] = 1 (one word per block of K, then a count of the blocks
+  // that have seen them all; zero between launches: see the kernel).
   const __nv_bfloat16* xg;
   unsigned long long* ready;
-  unsigned long long epoch;
   int quantize, K;
   float* y;
   // Where the two sums of a tile cut between two blocks meet: one word per row of x and tile row,
@@ -150,9 +149,12 @@ __device__ __forceinline__ void quantize_blocks(const __nv_bfloat16* x, int K, i
 // by exchange, with no wait (write_piece). W and the
 // signs of the first stages are issued before the wait for the kernel before (launch.cuh); x after
 // it. x's bit-planes: with `quantize`, the consumers of block b first quantize x's 256-column blocks
-// b, b + blocks, … into xq (quantize_blocks) and publish each (ready[kb] = epoch, released), and the
+// b, b + blocks, … into xq (quantize_blocks) and publish each (ready[kb] = 1, released), and the
 // producer warp that copies the bit-planes waits until every block of K is published before it
-// copies any; blocks ≤ multiprocessors, so all are resident and no wait is circular. (Until part 19 a launch before,
+// copies any; blocks ≤ multiprocessors, so all are resident and no wait is circular. The last block
+// whose warp has seen them all sets the words back to zero for the next launch (no block reads or
+// writes them again; the next launch touches them only after its wait for this one), so that a
+// launch carries no value of its own: the same launch can be replayed (a CUDA graph of the step). (Until part 19 a launch before,
 // prepare_x, quantized x: the linear then waited for two kernels to finish, not one.)
 // (Until part 17 the tiles left over after whole ones were split in up to 8 parts that met through
 // memory in part order, early parts released with a count, final parts waiting for it: NOTES.md.)
@@ -323,11 +325,18 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     } else if (ND > 0 && tid >= kConsumers + 32 && tid < kConsumers + 64) {  // the second warp: signs, planes
       if (p.quantize) {
         // Every block's x blocks quantized (below): the warp polls the words together.
-        for (int kb = tid - kConsumers - 32; kb < p.KB; kb += 32)
-          while (ld_acquire_u64(p.ready + kb) != p.epoch) {
+        const int lane = tid - kConsumers - 32;
+        for (int kb = lane; kb < p.KB; kb += 32)
+          while (ld_acquire_u64(p.ready + kb) != 1ull) {
           }
         __syncwarp();
         fence_proxy_async_global();  // the generic writes seen, before the copies read them
+        // Counted at ready[KB]; the last block to get here zeroes the words for the next launch.
+        int last = 0;
+        if (lane == 0) last = atomicAdd(p.ready + p.KB, 1ull) == static_cast<unsigned long long>(p.blocks - 1);
+        if (__shfl_sync(~0u, last, 0)) {
+          for (int kb = lane; kb <= p.KB; kb += 32) p.ready[kb] = 0;
+        }
       }
       if (tid == kConsumers + 32) {
         for_stages(0, S, [&](int it, int, int kb) { issue_xq(it, kb); });
@@ -345,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
       quantize_blocks(p.xg, p.K, p.rows, p.KB, p.blocks, p.xq, p.xq_block, tid, kConsumers);
       consumers_sync<kConsumers>();
       if (tid == 0)
-        for (int kb = blockIdx.x; kb < p.KB; kb += p.blocks) st_release_u64(p.ready + kb, p.epoch);
+        for (int kb = blockIdx.x; kb < p.KB; kb += p.blocks) st_release_u64(p.ready + kb, 1ull);
     }
     // Warpgroup 0: the base on wgmma and delta rows [0, H); warpgroups 1 and 2 share [H, ND)
     // (group_rows). A warp's 16 rows of the tile are 16·(warp % 4)... in all. (With two warpgroups, the
@@ -546,17 +555,6 @@ CUtensorMap tensor_map(MapKind kind, const void* ptr, int N, int K) {
   return map;
 }
 
-// A value for the ready words (StreamParams) that no launch before on this stream has written: a count
-// per device and stream from 1 (new words are zero), 64 bits so that it never wraps.
-unsigned long long next_epoch(cudaStream_t stream) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, unsigned long long> counts;
-  int dev = 0;
-  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard lock(mutex);
-  return ++counts[{dev, stream}];
-}
-
 // The grid: one block per multiprocessor, each taking an equal range of the tiles·KB units. Ranges of
 // whole tiles where that loads the busiest block at most 5% above the average (as the one-row kernel,
 // fused_linear_decode.cu); else ranges of units, which hold at least KB units when blocks ≤ tiles, so
@@ -688,8 +686,7 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
       p.xg = a.x;
       p.K = a.K;
       p.ready = static_cast<unsigned long long*>(
-          stream_scratch(ScratchUse::kStreamXReady, stream, size_t(p.KB) * sizeof(unsigned long long), true));
-      p.epoch = next_epoch(stream);
+          stream_scratch(ScratchUse::kStreamXReady, stream, size_t(p.KB + 1) * sizeof(unsigned long long), true));
     } else {  // a grid asked for (tests) larger than one block per multiprocessor
       quantize_x(a.x, a.rows, a.K, a.xq_scratch, stream);
     }

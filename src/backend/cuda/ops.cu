@@ -906,11 +906,18 @@ void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
-void attention(const float* q, int q_stride, const RowDesc* rows, const int2* tiles, int n_tiles, int max_tile,
-               int max_position, int layer, int heads, int kv_heads, int head_dim, float scale,
-               __nv_bfloat16* out, cudaStream_t stream, int split_len, int split_heads) {
-  if (n_tiles == 0) return;
-  if (head_dim % 8 || head_dim > 256) fail("cuda::attention: head_dim ", head_dim, " (a multiple of 8, at most 256)");
+namespace {
+
+// How attention() runs decode rows over split positions: the tensor-core or the split kernel, q heads
+// per block, positions per block and the most blocks per row. split = false: the tile kernel.
+struct SplitPlan {
+  bool split = false, tc = false;
+  int g = 1, split_len = 0, max_splits = 0;
+};
+
+SplitPlan plan_split(int n_tiles, int max_tile, int max_position, int heads, int kv_heads, int head_dim, int split_len,
+                     int split_heads) {
+  SplitPlan plan;
   const int dpl = (head_dim + 31) / 32;
   // Decode rows only (tile i is row i), at most 65535 (the grid's y), with 2, 4 or 8 dims per lane
   // (head_dim 40–64, 104–128 or 232–256) go to the tensor-core kernel (head_dim 64 or 128) or the
@@ -950,7 +957,31 @@ void attention(const float* q, int q_stride, const RowDesc* rows, const int2* ti
       split_len = (n_max + splits - 1) / splits;
     }
     split_len = (std::max(split_len, kChunk) + kChunk - 1) / kChunk * kChunk;
-    int max_splits = (n_max + split_len - 1) / split_len;
+    plan = {true, tc, g, split_len, (n_max + split_len - 1) / split_len};
+  }
+  return plan;
+}
+
+}  // namespace
+
+std::array<int, 4> attention_shape(int n_tiles, int max_tile, int max_position, int heads, int kv_heads,
+                                   int head_dim) {
+  const SplitPlan p = plan_split(n_tiles, max_tile, max_position, heads, kv_heads, head_dim, 0, 0);
+  return {p.split ? 1 + p.tc : 0, p.g, p.split_len, p.max_splits};
+}
+
+void attention(const float* q, int q_stride, const RowDesc* rows, const int2* tiles, int n_tiles, int max_tile,
+               int max_position, int layer, int heads, int kv_heads, int head_dim, float scale,
+               __nv_bfloat16* out, cudaStream_t stream, int split_len_arg, int split_heads) {
+  if (n_tiles == 0) return;
+  if (head_dim % 8 || head_dim > 256) fail("cuda::attention: head_dim ", head_dim, " (a multiple of 8, at most 256)");
+  const int dpl = (head_dim + 31) / 32;
+  const SplitPlan plan =
+      plan_split(n_tiles, max_tile, max_position, heads, kv_heads, head_dim, split_len_arg, split_heads);
+  if (plan.split) {
+    const bool tc = plan.tc;
+    const int g = plan.g;
+    int split_len = plan.split_len, max_splits = plan.max_splits;
     float* part = nullptr;  // the splits' parts per head, and a counter per row and head group (zero
     unsigned* arrived = nullptr;  // between launches)
     if (max_splits > 1) {

@@ -9,6 +9,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <array>
+
 #include <cstdint>
 
 namespace bitdelta::cuda {
@@ -74,6 +76,13 @@ constexpr int kPromptRunRows = 64;
 void attention(const float* q, int q_stride, const RowDesc* rows, const int2* tiles, int n_tiles, int max_tile,
                int max_position, int layer, int heads, int kv_heads, int head_dim, float scale,
                __nv_bfloat16* out, cudaStream_t stream, int split_len = 0, int split_heads = 0);
+
+// What attention() launches for these arguments (the chosen split_len and split_heads): {kernel (0:
+// the tile kernel; 1: the split kernel; 2: the tensor-core kernel), q heads per block, positions per
+// block, most blocks per row}. Equal shapes launch the same grids with the same arguments but for the
+// rows' positions, which the kernels read from the row descriptors.
+std::array<int, 4> attention_shape(int n_tiles, int max_tile, int max_position, int heads, int kv_heads,
+                                   int head_dim);
 
 // A prompt's run of rows on the tensor cores: rows first .. first + n − 1 (of q and out, as in
 // attention) belong to the sequence of `row` (host copy), at positions row.position .. + n − 1; each

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace bitdelta::cuda {
 
@@ -12,7 +13,7 @@ enum class ScratchUse {
   kQuantizedX,          // fused_linear_decode: x's rows quantized for the delta term
   kDecodeMeet,          // the balanced one-row decode kernel: where the two sums of a cut tile's row meet
   kStreamMeet,          // the streaming decode kernel: where the two sums of a cut tile meet
-  kStreamXReady,        // ... which of x's quantized blocks are written, per launch
+  kStreamXReady,        // ... which of x's quantized blocks are written, and how many blocks saw them all
   kAttentionParts,      // attention over positions split over blocks: the parts
   kAttentionCounters,   // ... and their arrival counters
   kPromptQuery,         // attention of a prompt run on GEMMs: its queries in bf16 (high and low parts)
@@ -27,6 +28,9 @@ enum class ScratchUse {
 // zeroed, a new buffer is zero-filled on the stream: for counters that the kernels leave at zero
 // when they finish.
 void* stream_scratch(ScratchUse use, cudaStream_t stream, size_t bytes, bool zeroed = false);
+// A count of the buffers stream_scratch has (re)allocated: a launch captured in a graph holds its
+// buffers' addresses, valid while this is unchanged.
+uint64_t stream_scratch_generation();
 
 #ifdef __CUDACC__
 // The merge of a result split over blocks: each block writes its part to scratch, then calls this.
