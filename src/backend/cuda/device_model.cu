@@ -403,6 +403,56 @@ struct DeviceModel::Impl {
     failed_key.clear();
   }
 
+  // Runs a step's launches (`issue`, on ctx->stream) under `key`: replays its graph if one is cached,
+  // captures one if the step before had the same key, else launches them one by one.
+  template <typename Issue>
+  void launch_step(std::vector<uintptr_t> key, Issue&& issue) {
+    const std::array<uint64_t, 3> version{scratch_version, variants_version, stream_scratch_generation()};
+    if (version != graphs_made_at) {
+      drop_graphs();
+      graphs_made_at = version;
+    }
+    ++steps;
+    auto found = std::find_if(step_graphs.begin(), step_graphs.end(), [&](const auto& g) { return g.key == key; });
+    if (found != step_graphs.end()) {
+      found->last_used = steps;
+      BITDELTA_CUDA_CHECK(cudaGraphLaunch(found->exec, ctx->stream));
+      ++graph_stats.replayed;
+    } else if (key == last_key && key != failed_key) {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      bool captured = false;
+      BITDELTA_CUDA_CHECK(cudaStreamBeginCapture(ctx->stream, cudaStreamCaptureModeRelaxed));
+      try {
+        issue();
+        captured = true;
+      } catch (...) {  // (ends the capture below, then runs launched: an error there is thrown)
+      }
+      const cudaError_t ended = cudaStreamEndCapture(ctx->stream, &graph);
+      if (captured && ended == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess &&
+          std::array<uint64_t, 3>{scratch_version, variants_version, stream_scratch_generation()} == version) {
+        if (step_graphs.size() == kStepGraphs) {  // the least recently used goes
+          auto lru = std::min_element(step_graphs.begin(), step_graphs.end(),
+                                      [](const auto& x, const auto& y) { return x.last_used < y.last_used; });
+          cudaGraphExecDestroy(lru->exec);
+          step_graphs.erase(lru);
+        }
+        step_graphs.push_back({key, exec, steps});
+        BITDELTA_CUDA_CHECK(cudaGraphLaunch(exec, ctx->stream));
+        ++graph_stats.captured;
+      } else {
+        if (exec) cudaGraphExecDestroy(exec);
+        (void)cudaGetLastError();
+        failed_key = key;
+        issue();
+      }
+      if (graph) cudaGraphDestroy(graph);
+    } else {
+      issue();
+    }
+    last_key = std::move(key);
+  }
+
   Impl(const ModelConfig& config, const DeviceOptions& o)
       : c(config), host_tier(o.host_cache_bytes), graphs_enabled(o.graphs) {}
   ~Impl() {
@@ -794,50 +844,7 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
     for (int v : attention_shape(n_tiles, max_tile, max_position, heads, kvh, hd)) key.push_back(uintptr_t(v));
     for (const DeviceVariant* v : var) key.push_back(reinterpret_cast<uintptr_t>(v));
     for (size_t j : want_sorted) key.push_back(j);
-    const std::array<uint64_t, 3> version{m.scratch_version, m.variants_version, stream_scratch_generation()};
-    if (version != m.graphs_made_at) {
-      m.drop_graphs();
-      m.graphs_made_at = version;
-    }
-    ++m.steps;
-    auto found = std::find_if(m.step_graphs.begin(), m.step_graphs.end(), [&](const auto& g) { return g.key == key; });
-    if (found != m.step_graphs.end()) {
-      found->last_used = m.steps;
-      BITDELTA_CUDA_CHECK(cudaGraphLaunch(found->exec, s));
-      ++m.graph_stats.replayed;
-    } else if (key == m.last_key && key != m.failed_key) {
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      bool captured = false;
-      BITDELTA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-      try {
-        issue();
-        captured = true;
-      } catch (const Error&) {  // retried below, launched one by one
-      }
-      const cudaError_t ended = cudaStreamEndCapture(s, &graph);
-      if (captured && ended == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess &&
-          std::array<uint64_t, 3>{m.scratch_version, m.variants_version, stream_scratch_generation()} == version) {
-        if (m.step_graphs.size() == Impl::kStepGraphs) {  // the least recently used goes
-          auto lru = std::min_element(m.step_graphs.begin(), m.step_graphs.end(),
-                                      [](const auto& x, const auto& y) { return x.last_used < y.last_used; });
-          cudaGraphExecDestroy(lru->exec);
-          m.step_graphs.erase(lru);
-        }
-        m.step_graphs.push_back({key, exec, m.steps});
-        BITDELTA_CUDA_CHECK(cudaGraphLaunch(exec, s));
-        ++m.graph_stats.captured;
-      } else {
-        if (exec) cudaGraphExecDestroy(exec);
-        (void)cudaGetLastError();
-        m.failed_key = key;
-        issue();
-      }
-      if (graph) cudaGraphDestroy(graph);
-    } else {
-      issue();
-    }
-    m.last_key = std::move(key);
+    m.launch_step(std::move(key), issue);
   } else {
     issue();
   }
