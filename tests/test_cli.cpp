@@ -187,6 +187,13 @@ TEST_F(Cli, DeviceOptionWithoutAGpu) {
     args.replace(args.find("BASE"), 4, base);
     expect_failure(args + " --device cuda", {"--device cuda", cuda::unavailable_reason()});
     expect_failure(args + " --device tpu", {"--device", "'tpu'", "cpu, cuda or cuda:N"});
+    // --cuda-graphs is on or off (on the CPU it changes nothing); anything else is refused naming it
+    // (as the argument parser refuses a bad value of any option: the message, then where help is).
+    const auto off = run(args + " --cuda-graphs off");
+    EXPECT_EQ(off.exit_code, 0) << off.err;
+    const auto bad = run(args + " --cuda-graphs maybe");
+    EXPECT_NE(bad.exit_code, 0);
+    EXPECT_NE(bad.err.find("--cuda-graphs = maybe"), std::string::npos) << bad.err;
   }
 }
 

@@ -833,6 +833,7 @@ TEST_F(ServerTest, ConfigFileWithFineTuneDirectoryAndPins) {
       config, json{{"base", f.base.string()},
                    {"cache_dir", (scratch / "cache").string()},
                    {"max_running", 4},
+                   {"cuda_graphs", false},  // (read; the CPU has no graphs)
                    {"variants",
                     {{{"name", "coder"}, {"path", f.delta("coder").string()}, {"pinned", true}},
                      {{"name", "tuned"}, {"path", (f.dir / "finetunes" / "math").string()}}}}}

@@ -29,6 +29,7 @@ struct EngineOptions {
   double rate_half_life_s = 60;      // decay of the request-rate estimate
   std::string device = "cpu";        // cpu | cuda | cuda:N (delta_cache_bytes is then GPU memory)
   uint64_t host_cache_bytes = uint64_t(16) << 30;  // cuda: pinned host copies of evicted deltas
+  bool cuda_graphs = true;  // cuda: decode steps replayed as CUDA graphs (ModelOptions::cuda_graphs)
 };
 
 // Why a submit() was refused before it started.

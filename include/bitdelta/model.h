@@ -70,7 +70,7 @@ struct ModelOptions {
 };
 // The options for `--device TEXT` ("cpu", "cuda" or "cuda:N"); throws Error naming TEXT otherwise.
 ModelOptions model_options(const std::string& device, size_t threads = 0,
-                           uint64_t host_cache_bytes = ModelOptions{}.host_cache_bytes);
+                           uint64_t host_cache_bytes = ModelOptions{}.host_cache_bytes, bool cuda_graphs = true);
 
 // What a variant's upload to a device did: its bytes there, whether the pinned host copy was
 // cached (no file read), and the time to build that copy (plan, pin, read the file: 0 work on a

@@ -50,7 +50,7 @@ void add_eval_command(CLI::App& app) {
     std::string base, math, alpha = "row", device = "cpu";
     std::vector<std::string> variants, texts;
     size_t threads = 0;
-    bool json = false;
+    bool json = false, cuda_graphs = true;
   };
   auto a = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("eval", "Measure what BitDelta costs in quality against the full fine-tunes");
@@ -61,9 +61,10 @@ void add_eval_command(CLI::App& app) {
   cmd->add_option("--alpha", a->alpha, "Alpha mode when compressing")->check(CLI::IsMember({"row", "tensor"}));
   cmd->add_option("--threads", a->threads, "Worker threads (0: all cores)");
   cmd->add_flag("--json", a->json, "Print the results as JSON");
-  add_device_option(cmd, a->device);
+  add_device_option(cmd, a->device, a->cuda_graphs);
   cmd->callback([a] {
-    Model base(a->base, model_options(a->device, a->threads));
+    const ModelOptions mo = model_options(a->device, a->threads, ModelOptions{}.host_cache_bytes, a->cuda_graphs);
+    Model base(a->base, mo);
     const Tokenizer tokenizer(a->base);
     std::map<std::string, std::string> texts;
     for (const auto& t : a->texts) texts.insert(split_pair(t, "--text"));
@@ -95,7 +96,7 @@ void add_eval_command(CLI::App& app) {
         o.threads = a->threads;
         const auto report = compress(base.checkpoint(), Checkpoint(path), delta_path, o);
         r["finetuned_bytes"] = report.finetuned_bytes;
-        full = std::make_unique<Model>(path, model_options(a->device, a->threads));
+        full = std::make_unique<Model>(path, mo);
       }
       r["delta_bytes"] = fs::file_size(delta_path);
       const int id = base.add_variant(name, delta_path);

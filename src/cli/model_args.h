@@ -16,12 +16,15 @@ namespace bitdelta::cli {
 struct ModelArgs {
   std::string base, delta, device = "cpu";
   size_t threads = 0;
-  bool force = false;
+  bool force = false, cuda_graphs = true;
 };
 
-// --device: cpu | cuda | cuda:N (every subcommand that runs a model has it).
-inline void add_device_option(CLI::App* cmd, std::string& device) {
+// --device: cpu | cuda | cuda:N, and --cuda-graphs (every subcommand that runs a model has them).
+inline void add_device_option(CLI::App* cmd, std::string& device, bool& cuda_graphs) {
   cmd->add_option("--device", device, "cpu, cuda or cuda:N")->capture_default_str();
+  cmd->add_option("--cuda-graphs", cuda_graphs,
+                  "cuda: replay a decode step as a CUDA graph when the batch stays (on or off)")
+      ->capture_default_str();
 }
 
 
@@ -30,12 +33,13 @@ inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
   cmd->add_option("--delta", a.delta, "A .bitdelta file: run this variant instead of the base");
   cmd->add_option("--threads", a.threads, "Worker threads (0: all cores)");
   cmd->add_flag("--force", a.force, "Accept a delta made for a base with another fingerprint");
-  add_device_option(cmd, a.device);
+  add_device_option(cmd, a.device, a.cuda_graphs);
 }
 
 // The model and the id of the variant to run (0: the base).
 inline std::pair<std::unique_ptr<Model>, int> load(const ModelArgs& a) {
-  auto model = std::make_unique<Model>(a.base, model_options(a.device, a.threads));
+  auto model =
+      std::make_unique<Model>(a.base, model_options(a.device, a.threads, ModelOptions{}.host_cache_bytes, a.cuda_graphs));
   const int variant = a.delta.empty() ? 0 : model->add_variant("variant", a.delta, a.force);
   return {std::move(model), variant};
 }

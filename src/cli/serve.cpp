@@ -109,6 +109,7 @@ void read_config(const fs::path& file, ServeArgs& a, std::vector<VariantSpec>& v
   get("base_name", a.engine.base_name);
   get("threads", a.engine.threads);
   get("device", a.engine.device);
+  get("cuda_graphs", a.engine.cuda_graphs);
   get("max_batch_tokens", a.engine.max_batch_tokens);
   get("max_running", a.engine.max_running);
   get("max_queue", a.engine.max_queue);
@@ -260,6 +261,8 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--device", a->engine.device, "cpu, cuda or cuda:N (the delta cache is then GPU memory)");
   cmd->add_option("--host-cache-bytes", a->host_cache_bytes,
                   "cuda: pinned host memory kept for evicted deltas (e.g. 16G)");
+  cmd->add_option("--cuda-graphs", a->engine.cuda_graphs,
+                  "cuda: replay a decode step as a CUDA graph when the batch stays (on or off; default on)");
   cmd->add_option("--http-threads", a->server.http_threads,
                   "Connections served at once (0: max-running + max-queue + 16, so a full queue is "
                   "seen as 429)");
@@ -284,6 +287,7 @@ void add_serve_command(CLI::App& app) {
     if (given("--threads")) args.engine.threads = a->engine.threads;
     if (given("--device")) args.engine.device = a->engine.device;
     if (given("--host-cache-bytes")) args.host_cache_bytes = a->host_cache_bytes;
+    if (given("--cuda-graphs")) args.engine.cuda_graphs = a->engine.cuda_graphs;
     if (given("--http-threads")) args.server.http_threads = a->server.http_threads;
     for (const auto& p : a->engine.pinned) args.engine.pinned.push_back(p);
     for (const auto& v : a->variant_args) variants.push_back(parse_variant_arg(v));

@@ -123,7 +123,7 @@ struct Engine::Impl {
   std::vector<Loader> loaders;  // engine thread only: started in start_load, joined once done
 
   Impl(const fs::path& dir, EngineOptions o)
-      : opt(std::move(o)), base_dir(dir), model(dir, model_options(opt.device, opt.threads, opt.host_cache_bytes)), tokenizer(dir) {
+      : opt(std::move(o)), base_dir(dir), model(dir, model_options(opt.device, opt.threads, opt.host_cache_bytes, opt.cuda_graphs)), tokenizer(dir) {
     if (opt.max_batch_tokens < 1 || opt.max_running < 1) fail("max_batch_tokens and max_running must be at least 1");
     m.cache_budget_bytes = opt.delta_cache_bytes;
     per_variant[opt.base_name].name = opt.base_name;

@@ -90,10 +90,11 @@ std::vector<WeightSpec> weight_table(const ModelConfig& c) {
   return t;
 }
 
-ModelOptions model_options(const std::string& device, size_t threads, uint64_t host_cache_bytes) {
+ModelOptions model_options(const std::string& device, size_t threads, uint64_t host_cache_bytes, bool cuda_graphs) {
   ModelOptions o;
   o.threads = threads;
   o.host_cache_bytes = host_cache_bytes;
+  o.cuda_graphs = cuda_graphs;
   if (device == "cpu") return o;
   if (device == "cuda" || device.rfind("cuda:", 0) == 0) {
     o.device = Device::Cuda;
