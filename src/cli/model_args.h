@@ -24,7 +24,8 @@ inline void add_device_option(CLI::App* cmd, std::string& device, bool& cuda_gra
   cmd->add_option("--device", device, "cpu, cuda or cuda:N")->capture_default_str();
   cmd->add_option("--cuda-graphs", cuda_graphs,
                   "cuda: replay a decode step as a CUDA graph when the batch stays (on or off)")
-      ->capture_default_str();
+      ->type_name("on|off")
+      ->default_str(cuda_graphs ? "on" : "off");
 }
 
 
