@@ -754,6 +754,7 @@ TEST_F(ServerTest, ClientDisconnectMidStreamFreesItsSlot) {
   bool seen = false;
   for (int attempt = 0; attempt < 5 && !seen; ++attempt) {
     const std::string before = server->log();
+    const size_t cancelled_before = count_of(before, cancelled), finished_before = count_of(before, finished);
     stream_and_hang_up(server->port(), body.dump());
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     double running = -1;
@@ -761,15 +762,15 @@ TEST_F(ServerTest, ClientDisconnectMidStreamFreesItsSlot) {
     while (std::chrono::steady_clock::now() < deadline) {
       running = metric(metrics(c), "bitdelta_running_sequences");
       log = server->log();
-      if (running == 0 && (count_of(log, cancelled) > count_of(before, cancelled) ||
-                           count_of(log, finished) > count_of(before, finished)))
+      if (running == 0 &&
+          (count_of(log, cancelled) > cancelled_before || count_of(log, finished) > finished_before))
         break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     EXPECT_EQ(running, 0) << log;
-    seen = count_of(log, cancelled) > count_of(before, cancelled);
+    seen = count_of(log, cancelled) > cancelled_before;
     if (!seen) {
-      ASSERT_GT(count_of(log, finished), count_of(before, finished))
+      ASSERT_GT(count_of(log, finished), finished_before)
           << "the request neither finished nor was cancelled:\n"
           << log;
     }

@@ -405,9 +405,13 @@ struct DeviceModel::Impl {
 
   // Runs a step's launches (`issue`, on ctx->stream) under `key`: replays its graph if one is cached,
   // captures one if the step before had the same key, else launches them one by one.
+  std::array<uint64_t, 3> buffer_versions() const {
+    return {scratch_version, variants_version, stream_scratch_generation()};
+  }
+
   template <typename Issue>
   void launch_step(std::vector<uintptr_t> key, Issue&& issue) {
-    const std::array<uint64_t, 3> version{scratch_version, variants_version, stream_scratch_generation()};
+    const std::array<uint64_t, 3> version = buffer_versions();
     if (version != graphs_made_at) {
       drop_graphs();
       graphs_made_at = version;
@@ -430,7 +434,7 @@ struct DeviceModel::Impl {
       }
       const cudaError_t ended = cudaStreamEndCapture(ctx->stream, &graph);
       if (captured && ended == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess &&
-          std::array<uint64_t, 3>{scratch_version, variants_version, stream_scratch_generation()} == version) {
+          buffer_versions() == version) {
         if (step_graphs.size() == kStepGraphs) {  // the least recently used goes
           auto lru = std::min_element(step_graphs.begin(), step_graphs.end(),
                                       [](const auto& x, const auto& y) { return x.last_used < y.last_used; });

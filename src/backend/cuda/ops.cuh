@@ -10,7 +10,6 @@
 #include <cuda_runtime.h>
 
 #include <array>
-
 #include <cstdint>
 
 namespace bitdelta::cuda {
