@@ -403,12 +403,13 @@ struct DeviceModel::Impl {
     failed_key.clear();
   }
 
-  // Runs a step's launches (`issue`, on ctx->stream) under `key`: replays its graph if one is cached,
-  // captures one if the step before had the same key, else launches them one by one.
+  // What the graphs' launches address besides the key: the step buffers, the variants, stream_scratch.
   std::array<uint64_t, 3> buffer_versions() const {
     return {scratch_version, variants_version, stream_scratch_generation()};
   }
 
+  // Runs a step's launches (`issue`, on ctx->stream) under `key`: replays its graph if one is cached,
+  // captures one if the step before had the same key, else launches them one by one.
   template <typename Issue>
   void launch_step(std::vector<uintptr_t> key, Issue&& issue) {
     const std::array<uint64_t, 3> version = buffer_versions();
