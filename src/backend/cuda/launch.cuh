@@ -6,7 +6,8 @@
 // weights and deltas (written before any step, with the stream synchronized) and of what a copy on the
 // stream put in place before the step's first kernel (the row descriptors, row map and attention tiles
 // of the step, RoPE's frequencies: a copy never starts early, so every kernel after it starts after it
-// has finished) may come before the wait. The linear kernels use that time to start on W (the register
+// has finished), and a decode row's keys and values at positions before its last (attention; earlier
+// steps wrote them) may come before the wait. The linear kernels use that time to start on W (the register
 // kernel sends its first block to L2, the streaming kernel copies its first stages of W and the signs
 // into shared memory); the norm loads its weights, RoPE computes its sines and cosines. A kernel
 // past its wait knows that every earlier kernel on the stream has finished: its predecessor has, and

@@ -326,6 +326,15 @@ __device__ __forceinline__ void transpose_sum(float (&d)[32], int lane) {
     d[k] = keep + __shfl_xor_sync(0xffffffffu, send, W);
   }
 }
+// Whether a warp's first chunk c (of a split ending before chunk_end, of a row at n positions) may
+// be read before the wait (launch.cuh): a decode row's positions before its last were written by
+// earlier steps (the copy of the step's descriptors, before its first kernel, started after those
+// had finished); its last, n − 1, is written by this step's RoPE, the kernel before this one. (Chunk
+// c's positions are min(c·32 + e, n − 1), e < 32.) Those loads then overlap the kernels before.
+__device__ __forceinline__ bool early_chunk(int c, int chunk_end, int n) {
+  return c < chunk_end && (c + 1) * kChunk < n;
+}
+
 // G: q heads per block, all of one kv head (grouped-query attention), so that each key and value
 // row is read once for the G of them; their queries are in shared memory, their scores and sums in
 // registers (1, 2, 4 or 8: max_split_heads).
@@ -342,7 +351,6 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
   const RowDesc row = rows[r];  // before the wait (launch.cuh: copied in before the step's first kernel)
   const int n = row.position + 1, splits = (n + split_len - 1) / split_len;
   if (sp >= splits) return;  // the whole block
-  pdl_wait();
   // This split's chunks [chunk_begin, chunk_end): the row's chunks spread evenly over its splits, at
   // least one each (split_len ≥ 32, so splits ≤ chunks).
   const int chunks = (n + kChunk - 1) / kChunk;
@@ -380,8 +388,16 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
   // With 8 dims per lane, or several heads, the next chunk's keys do not fit beside this chunk's
   // values: they load at the top of their own chunk (spills otherwise).
   constexpr bool kPrefetchKeys = DPL <= 4 && G == 1;
+  // The warp's first chunk: before the wait where it holds only positions that earlier steps wrote
+  // (early_chunk), else after it.
   int c = chunk_begin + warp;
-  if (c < chunk_end) {
+  const bool early = early_chunk(c, chunk_end, n);
+  if (early) {
+    if (kPrefetchKeys) load_keys(c);
+    load_values(c, 0);
+  }
+  pdl_wait();
+  if (c < chunk_end && !early) {
     if (kPrefetchKeys) load_keys(c);
     load_values(c, 0);
   }
@@ -586,7 +602,6 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_mma_kernel(const f
   const RowDesc row = rows[r];  // before the wait (launch.cuh: copied in before the step's first kernel)
   const int n = row.position + 1, splits = (n + split_len - 1) / split_len;
   if (sp >= splits) return;
-  pdl_wait();
   const int chunks = (n + kChunk - 1) / kChunk;
   const int chunk_begin = sp * chunks / splits, chunk_end = (sp + 1) * chunks / splits;
   const int kv_dim = kv_heads * HD, kvh = h0 / (heads / kv_heads);
@@ -614,8 +629,13 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_mma_kernel(const f
         for (int w = 0; w < VW; ++w)
           vr[s][u][w] = __ldg(at(vbase, c, 16 * s + 2 * t + (u & 1) + 8 * (u >> 1), DG * g + 8 * w));
   };
+  // The warp's first chunk: before the wait where it holds only positions that earlier steps wrote
+  // (early_chunk), else after it.
   int c = chunk_begin + warp;
-  if (c < chunk_end) load_keys(c), load_values(c);
+  const bool early = early_chunk(c, chunk_end, n);
+  if (early) load_keys(c), load_values(c);
+  pdl_wait();
+  if (c < chunk_end && !early) load_keys(c), load_values(c);
   // The queries (scaled) of head g, split into bf16 parts, in the A fragments' order: per slice, lane
   // (g, t)'s dims 8t..8t + 7 as 4 words of each part. Rows past G are zero.
   __shared__ uint4 q_hi[SL][8][4], q_lo[SL][8][4];
