@@ -98,20 +98,23 @@ void write_random_delta(const fs::path& path, const Checkpoint& base, const std:
   std::vector<std::string> names;
   for (const auto& n : base.tensor_names())
     if (n.find(".layers.") != std::string::npos && base.info(n).shape.size() == 2) names.push_back(n);
+  // Every α first, then the signs, as the compressor lays a delta out (src/delta/compress.cpp).
+  for (const auto& n : names) w.add(n + kAlphaSuffix, DType::F32, {base.info(n).shape[0]});
   for (const auto& n : names) {
     const auto& s = base.info(n).shape;
     w.add(n + kSignSuffix, DType::U8, {s[0], sign_row_bytes(s[1])});
-    w.add(n + kAlphaSuffix, DType::F32, {s[0]});
   }
   w.begin();
+  for (const auto& n : names) {
+    const std::vector<float> alpha(base.info(n).shape[0], 4e-4f);
+    w.write(std::as_bytes(std::span(alpha)));
+  }
   for (const auto& n : names) {
     const auto& s = base.info(n).shape;
     std::vector<uint64_t> bits((s[0] * sign_row_bytes(s[1]) + 7) / 8);
     uint64_t state = seed ^ std::hash<std::string>{}(n);
     for (auto& b : bits) b = state = mix(state);
     w.write(std::as_bytes(std::span(bits)).first(s[0] * sign_row_bytes(s[1])));
-    std::vector<float> alpha(s[0], 4e-4f);
-    w.write(std::as_bytes(std::span(alpha)));
   }
   w.finish();
 }

@@ -127,6 +127,16 @@ TEST_P(CompressEndToEnd, MatchesReferenceAndApplyReconstructsBitForBit) {
   ASSERT_EQ(delta.whole().size(), 1u);
   EXPECT_EQ(delta.whole()[0].name, "model.norm.weight");
   EXPECT_NO_THROW(delta.check_against(cb));
+  // The layout (docs/FORMAT.md): every α first, then the signs and whole tensors, back to back.
+  {
+    uint64_t alpha_end = 0, rest_begin = UINT64_MAX;
+    for (const auto& t : delta.file().tensors()) {
+      if (t.name.ends_with(kAlphaSuffix)) alpha_end = std::max(alpha_end, t.end);
+      else rest_begin = std::min(rest_begin, t.begin);
+    }
+    EXPECT_GT(alpha_end, 0u);
+    EXPECT_EQ(alpha_end, rest_begin);
+  }
 
   std::map<std::string, Reference> refs;
   for (size_t i = 0; i < delta.compressed().size(); ++i) {

@@ -103,6 +103,67 @@ TEST(Safetensors, WriterLeavesNothingWhenUnfinished) {
   EXPECT_THROW(w.write(std::vector<std::byte>(16)), Error);  // more than declared
 }
 
+// write_at: tensors filled in any order and in pieces make the same file as write() in order; a
+// write past a tensor's end, a tensor left short, and mixing the two forms fail naming the file.
+TEST(Safetensors, WriterPlacesTensorsByPosition) {
+  TempDir dir;
+  std::vector<std::byte> a(12), b(5), c(20);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = std::byte(i + 1);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = std::byte(100 + i);
+  for (size_t i = 0; i < c.size(); ++i) c[i] = std::byte(200 - i);
+  const Metadata md{{"k", "v"}};
+  const auto declare = [](SafetensorsWriter& w) {
+    EXPECT_EQ(w.add("c", DType::U8, {20}), 0u);
+    EXPECT_EQ(w.add("a", DType::F32, {3}), 1u);
+    EXPECT_EQ(w.add("b", DType::U8, {5}), 2u);
+    w.begin();
+  };
+  {
+    SafetensorsWriter w(dir / "seq.safetensors", md);
+    declare(w);
+    w.write(c), w.write(a), w.write(b);
+    w.finish();
+  }
+  {
+    SafetensorsWriter w(dir / "pos.safetensors", md);
+    declare(w);
+    const std::span<const std::byte> cs(c);
+    w.write_at(2, 0, b);
+    w.write_at(0, 13, cs.subspan(13));
+    w.write_at(1, 0, a);
+    w.write_at(0, 0, cs.first(13));
+    w.finish();
+  }
+  const auto bytes_of = [](const std::filesystem::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_EQ(bytes_of(dir / "pos.safetensors"), bytes_of(dir / "seq.safetensors"));
+  SafetensorsFile f(dir / "pos.safetensors");
+  EXPECT_EQ(std::memcmp(f.view("a").data.data(), a.data(), a.size()), 0);
+
+  const auto message = [&](auto&& body) {
+    try {
+      SafetensorsWriter w(dir / "bad.safetensors", md);
+      declare(w);
+      body(w);
+      w.finish();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message([&](SafetensorsWriter& w) { w.write_at(2, 1, b); }).find("passes its end"), std::string::npos);
+  EXPECT_NE(message([&](SafetensorsWriter& w) { w.write_at(2, 0, b), w.write_at(1, 0, a); }).find("tensor 'c' incomplete"),
+            std::string::npos);
+  EXPECT_NE(message([&](SafetensorsWriter& w) { w.write_at(2, 0, b), w.write(c); }).find("write after write_at"),
+            std::string::npos);
+  EXPECT_NE(message([&](SafetensorsWriter& w) { w.write(c), w.write_at(2, 0, b); }).find("write_at after write"),
+            std::string::npos);
+  EXPECT_NE(message([&](SafetensorsWriter& w) { w.write_at(3, 0, b); }).find("no tensor 3"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(dir / "bad.safetensors"));
+}
+
 TEST(Safetensors, UnwritablePathFailsNamingIt) {
   TempDir dir;
   test::write_text(dir / "file", "x");

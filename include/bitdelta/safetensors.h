@@ -59,12 +59,16 @@ class SafetensorsWriter {
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
   ~SafetensorsWriter();  // removes the temp file unless finish() succeeded
 
-  // Declares the next tensor; data is written in declaration order.
-  void add(std::string name, DType dtype, Shape shape);
+  // Declares the next tensor; tensors lie in the data section in declaration order. Returns its
+  // index (for write_at).
+  size_t add(std::string name, DType dtype, Shape shape);
   // Writes the header; call after the last add().
   void begin();
   // Appends bytes of the current tensor(s), in declaration order, in chunks of any size.
   void write(std::span<const std::byte> bytes);
+  // Or: writes bytes of tensor `index` at `offset` within it, in any order (a writer takes one form
+  // or the other). Each byte of each tensor once.
+  void write_at(size_t index, uint64_t offset, std::span<const std::byte> bytes);
   // Checks every declared byte arrived, flushes, closes and renames into place (atomic: readers
   // see the old file or the complete new one, never a partial one).
   void finish();
@@ -81,6 +85,7 @@ class SafetensorsWriter {
   uint64_t header_bytes_ = 0;
   uint64_t offset_ = 0;  // into the data section
   size_t current_ = 0;
+  std::vector<uint64_t> placed_;  // write_at: bytes written per tensor (empty: write's form)
   bool finished_ = false;
 };
 

@@ -202,16 +202,21 @@ CompressReport compress(const Checkpoint& base, const Checkpoint& ft, const fs::
   md["whole_tensors"] = std::to_string(report.whole);
   md["finetuned_bytes"] = std::to_string(report.finetuned_bytes);
 
+  // Every α first, then the signs and whole tensors: a loader checks the α when it opens the file
+  // (DeltaFile), and then reads only the file's head, not one scattered page per tensor before it
+  // can start on the rest. α is known only after its tensor's signs, so the data go in by position.
   SafetensorsWriter writer(out, md);
-  for (const auto& p : plan) {
-    const auto& info = base.info(p.name);
-    if (p.action == Action::Compress) {
-      writer.add(p.name + kSignSuffix, DType::U8, {info.shape[0], sign_row_bytes(info.shape[1])});
-      writer.add(p.name + kAlphaSuffix, DType::F32,
-                 {options.alpha_mode == AlphaMode::Row ? info.shape[0] : uint64_t(1)});
-    } else if (p.action == Action::Whole) {
-      writer.add(p.name, info.dtype, info.shape);
-    }
+  std::vector<size_t> alpha_at(plan.size()), data_at(plan.size());  // writer indices
+  for (size_t i = 0; i < plan.size(); ++i)
+    if (plan[i].action == Action::Compress)
+      alpha_at[i] = writer.add(plan[i].name + kAlphaSuffix, DType::F32,
+                               {options.alpha_mode == AlphaMode::Row ? base.info(plan[i].name).shape[0] : uint64_t(1)});
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const auto& info = base.info(plan[i].name);
+    if (plan[i].action == Action::Compress)
+      data_at[i] = writer.add(plan[i].name + kSignSuffix, DType::U8, {info.shape[0], sign_row_bytes(info.shape[1])});
+    else if (plan[i].action == Action::Whole)
+      data_at[i] = writer.add(plan[i].name, info.dtype, info.shape);
   }
   writer.begin();
 
@@ -237,13 +242,14 @@ CompressReport compress(const Checkpoint& base, const Checkpoint& ft, const fs::
   ThreadPool pool(options.threads);
   std::vector<uint8_t> signs;
   std::vector<RowSums> sums;
-  for (const auto& p : plan) {
+  for (size_t pi = 0; pi < plan.size(); ++pi) {
+    const auto& p = plan[pi];
     if (p.action == Action::Omit) continue;
     const auto& binfo = base.info(p.name);
     const uint64_t step = chunk_bytes_of(binfo, p.action);
 
     if (p.action == Action::Whole) {
-      for (uint64_t off = 0; off < binfo.bytes(); off += step) writer.write(reader.next().ft);
+      for (uint64_t off = 0; off < binfo.bytes(); off += step) writer.write_at(data_at[pi], off, reader.next().ft);
       progress.bytes_done += 2 * binfo.bytes();
       ++progress.tensors_done;
       if (options.on_progress) options.on_progress(progress);
@@ -269,7 +275,7 @@ CompressReport compress(const Checkpoint& base, const Checkpoint& ft, const fs::
           sums[r0 + i] = compress_row(b32.data(), f32.data(), cols, signs.data() + i * row_out);
         }
       });
-      writer.write(std::as_bytes(std::span(signs)));
+      writer.write_at(data_at[pi], r0 * row_out, std::as_bytes(std::span(signs)));
       progress.bytes_done += 2 * nr * row_in;
       if (options.on_progress) options.on_progress(progress);
     }
@@ -297,7 +303,7 @@ CompressReport compress(const Checkpoint& base, const Checkpoint& ft, const fs::
       const double a = alpha[0];
       err2 = total_sq - 2 * a * total_abs + n * a * a;
     }
-    writer.write(std::as_bytes(std::span(alpha)));
+    writer.write_at(alpha_at[pi], 0, std::as_bytes(std::span(alpha)));
     report.errors.push_back({p.name, binfo.shape, total_sq > 0 ? std::sqrt(std::max(0.0, err2) / total_sq) : 0.0});
     ++progress.tensors_done;
     if (options.on_progress) options.on_progress(progress);

@@ -160,7 +160,7 @@ SafetensorsWriter::~SafetensorsWriter() {
   }
 }
 
-void SafetensorsWriter::add(std::string name, DType dtype, Shape shape) {
+size_t SafetensorsWriter::add(std::string name, DType dtype, Shape shape) {
   if (header_bytes_) fail(path_.string(), ": tensor '", name, "' declared after the header was written");
   TensorInfo t;
   t.name = std::move(name);
@@ -171,6 +171,7 @@ void SafetensorsWriter::add(std::string name, DType dtype, Shape shape) {
   for (const auto& other : tensors_)
     if (other.name == t.name) fail(path_.string(), ": tensor '", t.name, "' declared twice");
   tensors_.push_back(std::move(t));
+  return tensors_.size() - 1;
 }
 
 void SafetensorsWriter::begin() {
@@ -203,6 +204,7 @@ static void write_all(int fd, const std::byte* p, size_t n, const std::filesyste
 
 void SafetensorsWriter::write(std::span<const std::byte> bytes) {
   if (!header_bytes_) fail(path_.string(), ": data written before the header");
+  if (!placed_.empty()) fail(path_.string(), ": write after write_at");
   const uint64_t total = tensors_.empty() ? 0 : tensors_.back().end;
   if (offset_ + bytes.size() > total)
     fail(path_.string(), ": more data written than the declared tensors hold");
@@ -220,12 +222,42 @@ void SafetensorsWriter::write(std::span<const std::byte> bytes) {
   }
 }
 
+void SafetensorsWriter::write_at(size_t index, uint64_t offset, std::span<const std::byte> bytes) {
+  if (!header_bytes_) fail(path_.string(), ": data written before the header");
+  if (offset_ != 0) fail(path_.string(), ": write_at after write");
+  if (index >= tensors_.size()) fail(path_.string(), ": write_at: no tensor ", index);
+  const TensorInfo& t = tensors_[index];
+  if (offset > t.bytes() || bytes.size() > t.bytes() - offset)
+    fail(path_.string(), ": tensor '", t.name, "': write of ", bytes.size(), " bytes at ", offset, " passes its end");
+  if (placed_.empty()) {  // the header first, where write() would have put it
+    placed_.assign(tensors_.size(), 0);
+    write_all(out_->fd, out_->buffer.data(), out_->buffer.size(), temp_path_);
+    out_->buffer.clear();
+  }
+  off_t at = off_t(header_bytes_ + t.begin + offset);
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t w = ::pwrite(out_->fd, bytes.data() + done, bytes.size() - done, at);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail(path_.string(), ": write failed: ", std::strerror(errno));
+    }
+    done += size_t(w);
+    at += w;
+  }
+  placed_[index] += bytes.size();
+}
+
 void SafetensorsWriter::finish() {
   if (!header_bytes_) begin();
-  const uint64_t total = tensors_.empty() ? 0 : tensors_.back().end;
-  if (offset_ != total)
+  if (!placed_.empty()) {
+    for (size_t i = 0; i < tensors_.size(); ++i)
+      if (placed_[i] != tensors_[i].bytes())
+        fail(path_.string(), ": tensor '", tensors_[i].name, "' incomplete (", placed_[i], " of ",
+             tensors_[i].bytes(), " bytes written)");
+  } else if (const uint64_t total = tensors_.empty() ? 0 : tensors_.back().end; offset_ != total) {
     fail(path_.string(), ": tensor '", tensors_[current_].name, "' incomplete (", offset_, " of ", total,
          " data bytes written)");
+  }
   write_all(out_->fd, out_->buffer.data(), out_->buffer.size(), temp_path_);
   out_->buffer.clear();
   if (::close(out_->fd) != 0) {
