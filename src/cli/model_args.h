@@ -19,13 +19,19 @@ struct ModelArgs {
   bool force = false, cuda_graphs = true;
 };
 
+// --cuda-graphs on|off (ModelOptions::cuda_graphs), its default shown from `cuda_graphs`.
+inline CLI::Option* add_cuda_graphs_option(CLI::App* cmd, bool& cuda_graphs) {
+  return cmd
+      ->add_option("--cuda-graphs", cuda_graphs,
+                   "cuda: replay a decode step as a CUDA graph when the batch stays (on or off)")
+      ->type_name("on|off")
+      ->default_str(cuda_graphs ? "on" : "off");
+}
+
 // --device: cpu | cuda | cuda:N, and --cuda-graphs (every subcommand that runs a model has them).
 inline void add_device_option(CLI::App* cmd, std::string& device, bool& cuda_graphs) {
   cmd->add_option("--device", device, "cpu, cuda or cuda:N")->capture_default_str();
-  cmd->add_option("--cuda-graphs", cuda_graphs,
-                  "cuda: replay a decode step as a CUDA graph when the batch stays (on or off)")
-      ->type_name("on|off")
-      ->default_str(cuda_graphs ? "on" : "off");
+  add_cuda_graphs_option(cmd, cuda_graphs);
 }
 
 

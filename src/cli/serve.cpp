@@ -21,6 +21,7 @@
 #include "bitdelta/server.h"
 #include "cli_util.h"
 #include "commands.h"
+#include "model_args.h"
 
 namespace bitdelta::cli {
 
@@ -261,9 +262,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--device", a->engine.device, "cpu, cuda or cuda:N (the delta cache is then GPU memory)");
   cmd->add_option("--host-cache-bytes", a->host_cache_bytes,
                   "cuda: pinned host memory kept for evicted deltas (e.g. 16G)");
-  cmd->add_option("--cuda-graphs", a->engine.cuda_graphs,
-                  "cuda: replay a decode step as a CUDA graph when the batch stays (on or off; default on)")
-      ->type_name("on|off");
+  add_cuda_graphs_option(cmd, a->engine.cuda_graphs);
   cmd->add_option("--http-threads", a->server.http_threads,
                   "Connections served at once (0: max-running + max-queue + 16, so a full queue is "
                   "seen as 429)");
