@@ -18,6 +18,11 @@ void prefetch_file(const std::filesystem::path& path);
 // fit; a later access reads them back, with the same contents.
 void release_pages(std::span<const std::byte> bytes);
 
+// Reads the pages of `bytes` (part of a file mapping) into memory front to back and maps them
+// (madvise MADV_POPULATE_READ; where the kernel lacks it, one read per page), so that later
+// accesses neither fault nor wait for the disk. Blocks until done; advice only, never throws.
+void populate_pages(std::span<const std::byte> bytes);
+
 class MappedFile {
  public:
   explicit MappedFile(const std::filesystem::path& path);

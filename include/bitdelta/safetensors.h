@@ -33,6 +33,7 @@ class SafetensorsFile {
 
   const std::filesystem::path& path() const { return file_.path(); }
   uint64_t file_size() const { return file_.size(); }
+  std::span<const std::byte> mapped_bytes() const { return file_.bytes(); }  // the whole file
   const Metadata& metadata() const { return metadata_; }
   const std::vector<TensorInfo>& tensors() const { return tensors_; }  // sorted by name
   const TensorInfo* find(std::string_view name) const;
