@@ -253,9 +253,49 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       expect(name + ", 2 in a row (2nd) " + tag, dy2.to_host(), ref2, decode_bound);
     }
   }
-  // Prefill paths: one variant for all rows (the first row's).
   bool one_variant = true;
   for (int v : row_variant) one_variant = one_variant && v == row_variant[0];
+  // The streaming kernel with W_eff formed in its stages (DecodeOptions::form_weights): every row of
+  // one variant; W_eff in bf16 as the fused prefill GEMM rounds it, so the prefill bound. Its own grid,
+  // grids that cut tiles (1, 3 blocks, two per tile), a two-stage ring, twice in a row. Rows of
+  // several variants, or none, are refused with one line naming the row.
+  if (rows <= bcuda::kMaxDecodeRows && bcuda::stream_kernel_supports(wb, K, xb)) {
+    const int tiles64 = (N + 63) / 64;
+    if (one_variant && row_variant[0] >= 0) {
+      for (int blocks : {0, 1, 3, 2 * tiles64})
+        for (int stages : {0, 2}) {
+          if (blocks > tiles64 && blocks != 2 * tiles64) continue;
+          poison(dy.ptr, dy.n);
+          bcuda::DecodeOptions o{0, 0, bcuda::DecodeKernel::kStream, stages};
+          o.blocks = blocks;
+          o.form_weights = true;
+          const int calls = blocks == 0 && stages == 0 ? 2 : 1;  // twice in a row: the same result
+          for (int c = 0; c < calls; ++c) bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
+          BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+          expect("stream W_eff blocks=" + std::to_string(blocks) + " stages=" + std::to_string(stages) + " x" +
+                     std::to_string(calls) + " " + tag,
+                 dy.to_host(), ref, 4e-3);
+        }
+    } else {
+      int differs = 1;
+      while (differs < rows && row_variant[differs] == row_variant[0]) ++differs;
+      bcuda::DecodeOptions o{0, 0, bcuda::DecodeKernel::kStream};
+      o.form_weights = true;
+      std::string message;
+      try {
+        bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
+      } catch (const std::exception& e) {
+        message = e.what();
+      }
+      const std::string want = row_variant[0] < 0 ? "row 0 has no delta"
+                                                  : "one variant; row " + std::to_string(differs) + " differs";
+      const bool ok = message.find(want) != std::string::npos;
+      ++checks;
+      if (!ok) ++failures;
+      std::printf("%s stream W_eff refused (%s): \"%s\"\n", ok ? "ok  " : "FAIL", tag.c_str(), message.c_str());
+    }
+  }
+  // Prefill paths: one variant for all rows (the first row's).
   if (one_variant && row_variant[0] >= 0) {
     bcuda::PrefillLinear prefill(nullptr, size_t(K) * 40);  // 40-row chunks: many chunks even here
     using M = bcuda::PrefillMethod;
@@ -403,6 +443,13 @@ int main() {
       check_case(rng, 130, 1024, rows24, 12, false);
       check_case(rng, 8645, 512, rows32, 13, false);
     }
+    // Up to 32 rows of one variant: W_eff formed by the streaming kernel (and the decode kernels).
+    for (bool per_row : {true, false}) {
+      check_case(rng, 8645, 2048, std::vector<int>(32, 0), 1, per_row);  // 136 tiles: some cut
+      check_case(rng, 257, 4096, std::vector<int>(17, 0), 1, per_row);
+    }
+    check_case(rng, 8200, 300, std::vector<int>(24, 0), 1, true);  // K: a block and a part
+    check_case(rng, 4500, 4096, std::vector<int>(8, 0), 1, false);
     // Prefill: many rows of one variant.
     for (const Shape s : {Shape{300, 512}, Shape{129, 1003}, Shape{1024, 4096}})
       for (bool per_row : {true, false})

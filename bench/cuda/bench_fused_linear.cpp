@@ -684,6 +684,18 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
             },
             preps);
         add({shape, cs, "fused decode, 32-row calls", td, w_s_bytes, tb, "x cuBLAS"});
+        if (rows <= 32) {  // the streaming kernel with W_eff formed in its stages (one launch)
+          const double tw = time_us(
+              [&](int s) {
+                DeltaRef d[32];
+                for (int v = 0; v < rows; ++v) d[v] = delta(s, 0);
+                bcuda::DecodeOptions o;
+                o.form_weights = true;
+                bcuda::fused_linear_decode(W(s), N, K, X, rows, {d, size_t(rows)}, Y, nullptr, o);
+              },
+              preps);
+          add({shape, cs, "stream, W_eff formed", tw, w_s_bytes, tb, "x cuBLAS"});
+        }
         const std::pair<const char*, FC> forms[] = {{"fused GEMM", {}},
                                                     {"fused GEMM tile/block", {64, 64, FS::kTilePerBlock}},
                                                     {"fused GEMM stream-K", {64, 64, FS::kStreamK}}};

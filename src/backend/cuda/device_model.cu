@@ -21,6 +21,7 @@
 #include "cuda_check.cuh"
 #include "fused_linear_decode.cuh"
 #include "fused_linear_prefill.cuh"
+#include "fused_linear_stream.cuh"
 #include "ops.cuh"
 #include "stream_scratch.cuh"
 
@@ -54,9 +55,17 @@ constexpr size_t kDecodeRows = 32;          // rows per fused decode call (its l
 // case c', after the GEMM stopped zero-filling x's missing rows). The base: from 12 rows, where
 // cuBLAS took 0.88–0.94× the decode kernel's time on four shapes and 0.99× on 4096 × 11008; at
 // 8 rows the decode kernel was faster on two shapes (run 101).
+// Where the streaming kernel runs (sm_90a) it takes up to 32 rows of the base in one read of W, and
+// 12 to 32 rows of one variant alone with W_eff formed in its stages (form_weights): chained in the
+// decode step to the kernels around it, both beat a GEMM (NOTES.md, part 28; the 7B-shaped step at
+// batch 32: the base 7.22-7.35 ms against 7.49-7.52 through cuBLAS, one variant 7.80-7.91 against
+// 8.12-8.14 through the fused GEMM, run 262). Launched alone, W_eff formed is within 0.96-1.06× the
+// fused GEMM from 12 rows, and 1.01-1.12× at 8 (run 262, c'): 8 to 11 rows keep the fused GEMM.
 constexpr size_t kGemmRowsBase = 17, kGemmRowsFused = 17, kGemmRowsMaterialize = 48;
 constexpr size_t kGemmRowsBaseAlone = 12, kGemmRowsFusedAlone = 8;
-size_t gemm_rows(bool with_delta, bool fused, bool alone) {
+constexpr size_t kWeffRows = 12;
+size_t gemm_rows(bool with_delta, bool fused, bool alone, bool streams) {
+  if (streams && !with_delta) return kDecodeRows + 1;
   if (alone && !with_delta) return kGemmRowsBaseAlone;
   if (alone && fused) return kGemmRowsFusedAlone;
   return !with_delta ? kGemmRowsBase : fused ? kGemmRowsFused : kGemmRowsMaterialize;
@@ -360,6 +369,9 @@ struct DeviceModel::Impl {
   const DeviceVariant* base_dev = nullptr;   // == variants[0], read by uploads on other threads
   float* inv_freq = nullptr;
   std::unique_ptr<PrefillLinear> prefill;
+  // Whether the streaming kernel takes every linear's K on this device: the step's sort of rows by
+  // variant assumes it (gemm_rows); each linear call checks its own operands.
+  bool streams = false;
   mutable HostTier host_tier;
   std::string name;
 
@@ -533,7 +545,16 @@ struct DeviceModel::Impl {
       };
       const size_t e = run_end(a);
       const bool alone = (a == 0 || !same_weight(a - 1)) && (e == R || !same_weight(e));  // the whole segment
-      if (e - a >= gemm_rows(lin[a]->delta.signs, prefill->fused_available(), alone)) {
+      const bool streams = stream_kernel_supports(lin[a]->w, K, xin);
+      if (streams && alone && lin[a]->delta.signs && e - a >= kWeffRows && e - a <= kDecodeRows) {
+        deltas.assign(e - a, lin[a]->delta);  // one variant: W_eff formed in the streaming kernel's stages
+        DecodeOptions o;
+        o.form_weights = true;
+        fused_linear_decode(lin[a]->w, N, K, xin + a * size_t(K), int(e - a), deltas, y + a * size_t(N), ctx->stream, o);
+        a = e;
+        continue;
+      }
+      if (e - a >= gemm_rows(lin[a]->delta.signs, prefill->fused_available(), alone, streams)) {
         const auto method = lin[a]->delta.signs ? PrefillMethod::kFused : PrefillMethod::kBaseOnly;
         prefill->run(method, lin[a]->w, N, K, xin + a * size_t(K), int(e - a), lin[a]->delta, y + a * size_t(N));
         a = e;
@@ -543,7 +564,7 @@ struct DeviceModel::Impl {
       size_t b = a;
       while (b < R && b - a < kDecodeRows && same_weight(b)) {
         const size_t re = run_end(b);
-        if (re - b >= gemm_rows(lin[b]->delta.signs, prefill->fused_available(), false)) break;
+        if (re - b >= gemm_rows(lin[b]->delta.signs, prefill->fused_available(), false, streams)) break;
         b = std::min(re, a + kDecodeRows);
       }
       deltas.clear();
@@ -579,6 +600,12 @@ DeviceModel::DeviceModel(const ModelConfig& config, const VariantWeights& base, 
   BITDELTA_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
   BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&m.ctx->stream, cudaStreamNonBlocking));
   m.prefill = std::make_unique<PrefillLinear>(m.ctx->stream, kPrefillScratch);
+  {
+    const auto* aligned = reinterpret_cast<const bf16*>(uintptr_t(kAlign));  // not dereferenced
+    m.streams = true;
+    for (const uint64_t K : {config.hidden, config.intermediate, uint64_t(config.heads) * config.head_dim})
+      m.streams = m.streams && stream_kernel_supports(aligned, int(K), aligned);
+  }
   m.inv_freq = static_cast<float*>(device_alloc(inv_freq.size_bytes(), m.ctx->stream, "rotary frequencies"));
   BITDELTA_CUDA_CHECK(
       cudaMemcpyAsync(m.inv_freq, inv_freq.data(), inv_freq.size_bytes(), cudaMemcpyHostToDevice, m.ctx->stream));
@@ -725,7 +752,7 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   auto key = [&](size_t r) {
     const size_t v = size_t(in[r].variant);
     const bool alone = count[v] == R;
-    return std::pair<int, size_t>(count[v] >= gemm_rows(v != 0, m.prefill->fused_available(), alone) ? 0 : 1, v);
+    return std::pair<int, size_t>(count[v] >= gemm_rows(v != 0, m.prefill->fused_available(), alone, m.streams) ? 0 : 1, v);
   };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
 

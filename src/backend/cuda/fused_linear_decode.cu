@@ -803,6 +803,15 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     else if (deltas[q].alpha != d.alpha || deltas[q].alpha_per_row != d.alpha_per_row)
       fail("cuda::fused_linear_decode: rows share signs ", d.signs, " but not alpha");
   }
+  if (options.form_weights) {
+    if (options.kernel == DecodeKernel::kRegisters || options.kernel == DecodeKernel::kBalanced ||
+        !stream_kernel_supports(w, K, x))
+      fail("cuda::fused_linear_decode: form_weights needs the streaming kernel (sm_90a, K a multiple of 8)");
+    StreamArgs a{};
+    a.w = w, a.N = N, a.K = K, a.x = x, a.rows = rows, a.deltas = deltas.data(), a.y = y;
+    a.blocks = options.blocks, a.stages = options.stages, a.form_weights = true;
+    return fused_linear_stream(a, stream);
+  }
   const bool streaming = options.kernel != DecodeKernel::kRegisters && stream_kernel_supports(w, K, x) &&
                          variants <= kMaxStreamVariants &&
                          (options.kernel == DecodeKernel::kStream || stream_kernel_preferred(N, K, rows));

@@ -71,6 +71,9 @@ struct DecodeOptions {
   // tiles or twice them (a tile is cut between at most two blocks); 0 = choose (tests and benchmarks
   // set it).
   int blocks = 0;
+  // kStream (or kAuto) with every row of one variant: W_eff formed in the stage (StreamArgs::form_weights;
+  // the prefill bound applies). Refused where the streaming kernel does not run or the rows differ.
+  bool form_weights = false;
 };
 
 // w: [N, K] bf16 row-major; x: [rows, K] bf16; y: [rows, N] f32; all device pointers. deltas[r]

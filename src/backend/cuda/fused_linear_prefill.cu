@@ -231,18 +231,6 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], const uint32_t (
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(Accumulate ? 1 : 0));
 }
 
-// ±α for the two columns at bits 15 − sh and 31 − sh of z (1 = +α), as a bf16 pair, from neg_alpha2
-// (−α in both halves): a shift and a LOP3.
-__device__ __forceinline__ uint32_t delta_pair(uint32_t z, int sh, uint32_t neg_alpha2) {
-  return ((z << sh) & 0x80008000u) ^ neg_alpha2;
-}
-
-__device__ __forceinline__ uint32_t bf16x2_add(uint32_t a, uint32_t b) {
-  __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a),
-                 y = *reinterpret_cast<__nv_bfloat162*>(&b);
-  __nv_bfloat162 s = __hadd2(x, y);
-  return *reinterpret_cast<uint32_t*>(&s);
-}
 #endif  // BITDELTA_FUSED_WGMMA
 
 // Delta = false: W alone (the same kernel without the sign term: what the expansion costs).
@@ -404,9 +392,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int n = min(n0 + rw + g + 8 * h, N - 1);
-        const __nv_bfloat16 a = __float2bfloat16_rn(Delta ? alpha[per_row ? n : 0] : 0.0f);
-        const uint16_t bits = *reinterpret_cast<const uint16_t*>(&a);
-        alpha2[h] = (uint32_t(bits) | (uint32_t(bits) << 16)) ^ 0x80008000u;
+        alpha2[h] = neg_alpha_pair(Delta ? alpha[per_row ? n : 0] : 0.0f);
       }
       const int n = k1 - k0;
       rslot = slot;          // the piece's stage 0 is the first its stages release

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
@@ -161,8 +163,13 @@ __device__ __forceinline__ void quantize_blocks(const __nv_bfloat16* x, int K, i
 // BN: rows of x per tile (8, 16 or 32, the wgmma's N; rows past `rows` are zero-filled by the TMA).
 // ND: delta rows computed per stage (nd rounded up; the padding repeats delta row 0 and is dropped), a
 // constant so that the delta loop has no branches and its rows' 1-bit mma overlap.
-template <int BN, int ND>
+// Weff (with ND = 0; every row of one variant, StreamArgs::form_weights): the variant's sign tile
+// comes with W, and all consumers first turn the stage's W into W_eff = W + α·S in bf16, in place
+// (each thread 5–6 of its 2048 16-byte units), so that warpgroup 0's wgmma computes the delta with the
+// base: the rows' 1-bit mma would cost per row what W_eff costs once.
+template <int BN, int ND, bool Weff = false>
 __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_constant__ StreamParams p) {
+  static_assert(!Weff || ND == 0, "W_eff replaces the delta rows");
 #ifdef BITDELTA_FUSED_WGMMA
   pdl_launch_dependents();  // launch.cuh: the next kernel may start; this one waits below
   STREAM_TRACE(threadIdx.x == 0, kTraceEntry);
@@ -276,6 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     mbar_expect_tx(full, p.tx_w);
 #pragma unroll
     for (int c = 0; c < 4; ++c) tma_2d(st + c * (kBM * 128), &p.w, k0 + 64 * c, n0, full);
+    if constexpr (Weff) tma_3d(st + sgn_off, &p.signs[0], 0, kb, n0 / 16, full);
   };
   const auto issue_signs = [&](int it, int n0, int kb) {
     const int slot = it % S;
@@ -362,6 +370,22 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
     const int wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int s2 = sign2(t);
     const int lane_sgn = (wq * 32 + lane) * 16;
+    // Weff: this thread's 16-byte units of a stage's W, u = tid + 384·m (2048 of them: 4 chunks × 64
+    // rows × 8, swizzled: unit u holds tile row (u / 8) % 64, columns 64·(u / 512) + 8·((u % 8) ⊕
+    // (row % 8)) of the 256), and where the byte of their 8 sign bits lies in the stage's sign tile
+    // (packed_signs.h: per 16-row group 128 words, lane 4g + t's word i).
+    constexpr int kWUnits = kWStage / 16, kWeffUnits = (kWUnits + kConsumers - 1) / kConsumers;
+    [[maybe_unused]] int wsoff[kWeffUnits], wrow[kWeffUnits];
+    if constexpr (Weff) {
+#pragma unroll
+      for (int m = 0; m < kWeffUnits; ++m) {
+        const int u = min(tid + kConsumers * m, kWUnits - 1), r = (u >> 3) & (kBM - 1);
+        const int col = 64 * (u >> 9) + 8 * ((u & 7) ^ (r & 7)), rr = r & 15;
+        const int i = (rr >> 3) | ((col >> 7) << 1), ti = (col & 127) >> 5;
+        wrow[m] = r;
+        wsoff[m] = sgn_off + (r >> 4) * 512 + ((4 * (rr & 7) + ti) * 4 + i) * 4 + ((col & 31) >> 3);
+      }
+    }
     // Warpgroup kG's work; kBase: warpgroup 0 (each form without a branch around its wgmma).
     const auto consume = [&]<int kG>() {
       constexpr bool kBase = kG == 0;
@@ -372,6 +396,15 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
       for_pieces([&](int T, int, int nst) {
         const int n0 = T * kBM;
         float acc[BN / 2];
+        // Weff: −α of each unit's row as a bf16 pair (delta_pair flips it to +α where the sign bit is 1).
+        [[maybe_unused]] uint32_t nal2[kWeffUnits];
+        if constexpr (Weff) {
+#pragma unroll
+          for (int m = 0; m < kWeffUnits; ++m) {
+            const int n = min(n0 + wrow[m], p.N - 1);
+            nal2[m] = neg_alpha_pair(__ldg(p.alpha[0] + (p.alpha_per_row[0] ? n : 0)));
+          }
+        }
         float dacc[DN > 0 ? DN : 1][2], sq[DN > 0 ? DN : 1];
 #pragma unroll
         for (int d = 0; d < (DN > 0 ? DN : 1); ++d) dacc[d][0] = dacc[d][1] = sq[d] = 0.0f;
@@ -391,8 +424,32 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
         const auto stage = [&]<bool First>() {
           const uint8_t* st = smem + slot * p.stage_bytes;
           [[maybe_unused]] const uint32_t bar = bars + 32 * slot;  // (unused by a warpgroup without work)
-          if constexpr (kBase) {
+          if constexpr (Weff) {  // W_eff in place, by every consumer, before the wgmma reads it
             mbar_wait(bar + kFullW, phase);
+            const uint32_t sa = smem_addr(st);
+#pragma unroll
+            for (int m = 0; m < kWeffUnits; ++m) {
+              const int u = tid + kConsumers * m;
+              if (kWUnits % kConsumers != 0 && u >= kWUnits) break;  // whole warps
+              uint32_t w0, w1, w2, w3, s8;
+              asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                           : "=r"(w0), "=r"(w1), "=r"(w2), "=r"(w3)
+                           : "r"(sa + 16 * u));
+              asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(s8) : "r"(sa + wsoff[m]));
+              const uint32_t z = __byte_perm(s8, s8 >> 1, 0x5410);  // (delta_pair)
+              w0 = bf16x2_add(w0, delta_pair(z, 15, nal2[m]));
+              w1 = bf16x2_add(w1, delta_pair(z, 13, nal2[m]));
+              w2 = bf16x2_add(w2, delta_pair(z, 11, nal2[m]));
+              w3 = bf16x2_add(w3, delta_pair(z, 9, nal2[m]));
+              asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(sa + 16 * u), "r"(w0), "r"(w1), "r"(w2),
+                           "r"(w3)
+                           : "memory");
+            }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // seen by the wgmma (async proxy)
+            consumers_sync<kConsumers>();
+          }
+          if constexpr (kBase) {
+            if constexpr (!Weff) mbar_wait(bar + kFullW, phase);
             STREAM_TRACE(First && tid == 0 && T == T0, kTraceFirst);
             const uint64_t dw = sw128_desc(smem_addr(st)), dx = sw128_desc(smem_addr(st + kWStage));
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -490,6 +547,8 @@ constexpr KernelFn kKernels[3][7] = {
      stream_kernel<16, 16>, nullptr},
     {stream_kernel<32, 0>, stream_kernel<32, 1>, stream_kernel<32, 2>, stream_kernel<32, 4>, stream_kernel<32, 8>,
      stream_kernel<32, 16>, stream_kernel<32, 32>}};
+// W_eff formed in the stage (form_weights), ND = 0: [BN 8, 16, 32].
+constexpr KernelFn kKernelsWeff[3] = {stream_kernel<8, 0, true>, stream_kernel<16, 0, true>, stream_kernel<32, 0, true>};
 int nd_index(int nd) { return nd <= 2 ? nd : nd <= 4 ? 3 : nd <= 8 ? 4 : nd <= 16 ? 5 : 6; }
 
 // Per device: whether the kernel runs there and its shared-memory limit (opted in once).
@@ -512,12 +571,14 @@ const DeviceInfo& device_info() {
     d.runs = prop.major == 9 && prop.minor == 0 && tensor_map_encoder() != nullptr;
     d.sms = prop.multiProcessorCount;
     d.smem_optin = int(prop.sharedMemPerBlockOptin);
-    if (d.runs)
-      for (const auto& row : kKernels)
-        for (KernelFn k : row)
-          if (k)
-            BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(k),
-                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, d.smem_optin));
+    if (d.runs) {
+      std::vector<KernelFn> all(std::begin(kKernelsWeff), std::end(kKernelsWeff));
+      for (const auto& row : kKernels) all.insert(all.end(), std::begin(row), std::end(row));
+      for (KernelFn k : all)
+        if (k)
+          BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(k),
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, d.smem_optin));
+    }
   }
   return it->second;
 }
@@ -633,7 +694,21 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   p.w = tensor_map(MapKind::kW, a.w, a.N, a.K);
   p.x = tensor_map(BN == 8 ? MapKind::kX8 : BN == 16 ? MapKind::kX16 : MapKind::kX32, a.x, a.rows, a.K);
   const void* distinct[kMaxRows];
-  for (int r = 0; r < a.rows; ++r) {
+  if (a.form_weights) {  // one variant, every row: its tile rides with W; no delta rows, x not quantized
+    const DeltaRef& d0 = a.deltas[0];
+    if (!d0.signs || !d0.alpha) fail("cuda::fused_linear_stream: form_weights: row 0 has no delta");
+    if ((reinterpret_cast<uintptr_t>(d0.signs) & 15) != 0)
+      fail("cuda::fused_linear_stream: row 0's packed signs are not 16-byte aligned");
+    for (int r = 1; r < a.rows; ++r)
+      if (a.deltas[r].signs != d0.signs || a.deltas[r].alpha != d0.alpha ||
+          a.deltas[r].alpha_per_row != d0.alpha_per_row)
+        fail("cuda::fused_linear_stream: form_weights needs every row of one variant; row ", r, " differs");
+    p.nvar = 1;
+    p.signs[0] = tensor_map(MapKind::kSigns, d0.signs, a.N, a.K);
+    p.alpha[0] = d0.alpha;
+    p.alpha_per_row[0] = d0.alpha_per_row ? 1 : 0;
+  }
+  for (int r = 0; r < a.rows && !a.form_weights; ++r) {
     const DeltaRef& d = a.deltas[r];
     if (!d.signs) continue;
     if ((reinterpret_cast<uintptr_t>(d.signs) & 15) != 0)
@@ -653,8 +728,8 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
     ++p.nd;
   }
   p.xq_block = quantized_x_block(a.rows);
-  p.tx_w = kWStage + 4 * BN * 128;
-  p.tx_d = p.nvar * kSignTile + (p.nvar ? p.xq_block : 0);
+  p.tx_w = kWStage + 4 * BN * 128 + (a.form_weights ? kSignTile : 0);
+  p.tx_d = a.form_weights ? 0 : p.nvar * kSignTile + (p.nvar ? p.xq_block : 0);
   p.stage_bytes = (p.tx_w + p.tx_d + 1023) / 1024 * 1024;
 #ifdef BITDELTA_STREAM_TRACE
   p.knock = g_knock;  // (the stages keep their layout; only the bytes each waits for change)
@@ -696,8 +771,9 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
         ScratchUse::kStreamMeet, stream, size_t(tiles) * a.rows * kBM * sizeof(unsigned long long), true));
   const int smem = smem_bytes(p.stages);
 
-  launch_chained(kKernels[BN == 8 ? 0 : BN == 16 ? 1 : 2][nd_index(p.nd)], dim3(unsigned(p.blocks)), dim3(kThreads),
-                 size_t(smem), stream, p);
+  const int bi = BN == 8 ? 0 : BN == 16 ? 1 : 2;
+  launch_chained(a.form_weights ? kKernelsWeff[bi] : kKernels[bi][nd_index(p.nd)], dim3(unsigned(p.blocks)),
+                 dim3(kThreads), size_t(smem), stream, p);
 }
 
 }  // namespace bitdelta::cuda

@@ -12,6 +12,7 @@
 // through memory). Three consumer warpgroups: the first computes W·xᵀ with wgmma (both operands in
 // shared memory: no instruction touches W's bytes); all share the rows' delta terms on the 1-bit mma
 // (fused_linear_decode.cuh). The bytes still decide it: W once per launch, each variant's bits once.
+// With every row of one variant it can instead form W_eff = W + α·S in each stage (form_weights).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,6 +39,11 @@ struct StreamArgs {
   float* y = nullptr;                // [rows, N]
   int blocks = 0;                    // > 0: that many blocks on equal ranges of units (at most the tiles, or twice)
   int stages = 0;                    // 0 = as many as fit
+  // Every row of one variant: W_eff = W + α·S formed in bf16 in each stage (in shared memory, by all
+  // consumers) and multiplied on wgmma with the base, instead of each row's delta term on the 1-bit
+  // mma. Rounds as the fused prefill GEMM does (W_eff in bf16: its error bound, not the decode one);
+  // x is not quantized (xq and xq_scratch unused).
+  bool form_weights = false;
 };
 
 // Whether the current device runs the kernel (sm_90 with the tensor-map encoder) and takes these
