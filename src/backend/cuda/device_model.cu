@@ -56,14 +56,14 @@ constexpr size_t kDecodeRows = 32;          // rows per fused decode call (its l
 // cuBLAS took 0.88–0.94× the decode kernel's time on four shapes and 0.99× on 4096 × 11008; at
 // 8 rows the decode kernel was faster on two shapes (run 101).
 // Where the streaming kernel runs (sm_90a) it takes up to 32 rows of the base in one read of W, and
-// 12 to 32 rows of one variant alone with W_eff formed in its stages (form_weights): chained in the
-// decode step to the kernels around it, both beat a GEMM (NOTES.md, part 28; the 7B-shaped step at
-// batch 32: the base 7.22-7.35 ms against 7.49-7.52 through cuBLAS, one variant 7.80-7.91 against
-// 8.12-8.14 through the fused GEMM, run 262). Launched alone, W_eff formed is within 0.96-1.06× the
-// fused GEMM from 12 rows, and 1.01-1.12× at 8 (run 262, c'): 8 to 11 rows keep the fused GEMM.
+// 2 to 32 rows of one variant alone with W_eff formed in its stages (form_weights): chained in the
+// decode step to the kernels around it, both beat the GEMMs and the 1-bit path (NOTES.md, part 28;
+// 7B-shaped steps, runs 262-263: the base 2-7% faster at batches 12-32, one variant 2-6%; the GQA
+// shape, runs 264-266: one variant 1% faster at batch 2, 7% at 4, 5% at 8, 3.5% at 32). One row
+// keeps the one-row kernel: W_eff took 5.13 ms against its 4.48 (run 266).
 constexpr size_t kGemmRowsBase = 17, kGemmRowsFused = 17, kGemmRowsMaterialize = 48;
 constexpr size_t kGemmRowsBaseAlone = 12, kGemmRowsFusedAlone = 8;
-constexpr size_t kWeffRows = 12;
+constexpr size_t kWeffRows = 2;
 size_t gemm_rows(bool with_delta, bool fused, bool alone, bool streams) {
   if (streams && !with_delta) return kDecodeRows + 1;
   if (alone && !with_delta) return kGemmRowsBaseAlone;

@@ -547,8 +547,8 @@ constexpr KernelFn kKernels[3][7] = {
      stream_kernel<16, 16>, nullptr},
     {stream_kernel<32, 0>, stream_kernel<32, 1>, stream_kernel<32, 2>, stream_kernel<32, 4>, stream_kernel<32, 8>,
      stream_kernel<32, 16>, stream_kernel<32, 32>}};
-// W_eff formed in the stage (form_weights), ND = 0: [BN 8, 16, 32].
-constexpr KernelFn kKernelsWeff[3] = {stream_kernel<8, 0, true>, stream_kernel<16, 0, true>, stream_kernel<32, 0, true>};
+// W_eff formed in the stage (form_weights), ND = 0: [BN 16, 32].
+constexpr KernelFn kKernelsWeff[2] = {stream_kernel<16, 0, true>, stream_kernel<32, 0, true>};
 int nd_index(int nd) { return nd <= 2 ? nd : nd <= 4 ? 3 : nd <= 8 ? 4 : nd <= 16 ? 5 : 6; }
 
 // Per device: whether the kernel runs there and its shared-memory limit (opted in once).
@@ -684,7 +684,9 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   const DeviceInfo& info = device_info();
   if (!info.runs || !operands_fit(a.w, a.K, a.x)) fail("cuda::fused_linear_stream: this device or these operands");
   if (a.rows < 1 || a.rows > kMaxRows) fail("cuda::fused_linear_stream: ", a.rows, " rows (1..", kMaxRows, ")");
-  const int BN = a.rows <= 8 ? 8 : a.rows <= 16 ? 16 : 32;
+  // (W_eff formed takes 16 at 8 rows or fewer too: with n8 the decode step at 8 rows of one variant was
+  // 7-9% slower than through the fused GEMM, with n16 5% faster: NOTES.md, part 28, runs 264-265.)
+  const int BN = a.rows <= 8 && !a.form_weights ? 8 : a.rows <= 16 ? 16 : 32;
   StreamParams p{};
   p.N = a.N;
   p.KB = sign_blocks(a.K);
@@ -772,7 +774,7 @@ void fused_linear_stream(const StreamArgs& a, cudaStream_t stream) {
   const int smem = smem_bytes(p.stages);
 
   const int bi = BN == 8 ? 0 : BN == 16 ? 1 : 2;
-  launch_chained(a.form_weights ? kKernelsWeff[bi] : kKernels[bi][nd_index(p.nd)], dim3(unsigned(p.blocks)),
+  launch_chained(a.form_weights ? kKernelsWeff[bi - 1] : kKernels[bi][nd_index(p.nd)], dim3(unsigned(p.blocks)),
                  dim3(kThreads), size_t(smem), stream, p);
 }
 
