@@ -3,9 +3,10 @@
 // the pinned host tier and disk.
 //
 // Bound: the device rounds the input of every linear layer to bf16 (2⁻⁹ relative, ~0.1% rms) and
-// keeps the KV cache in bf16; the rest is float32. A variant's run of ≥ 17 rows, or ≥ 8 where they
-// are all the step's rows (the fused GEMM; 48 on a GPU without it), also rounds W_eff = W + α·S to
-// bf16 (as an applied bf16 checkpoint is rounded): the prompts below go that way. Every logit is a dot product of
+// keeps the KV cache in bf16; the rest is float32. A variant's run of ≥ 17 rows, or ≥ 2 where they
+// are all the step's rows (on sm_90a W_eff formed in the streaming kernel up to 32 rows, else the
+// fused GEMM; 48 on a GPU without it), also rounds W_eff = W + α·S to bf16 (as an applied bf16
+// checkpoint is rounded): the prompts below go that way. Every logit is a dot product of
 // the final hidden state (29 rounded linear inputs upstream of it on the demo model) with a row of the
 // embedding, so its error scales with the size of the logits, not its own value: measured up to
 // 0.078 through the fused kernels and 0.195 (on a log-prob of −7.8) with W_eff in bf16. The bound is
@@ -202,9 +203,10 @@ TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
 
 // Decode steps replayed as CUDA graphs (a batch that stays is captured on its second step) give the
 // logits of the same steps launched kernel by kernel, for every kind of step: one row (the one-row
-// kernel), many rows of many variants (the streaming kernel, which quantizes x itself), many rows of
-// one variant (the fused GEMM) and of the base (cuBLAS); and after a variant is dropped and another
-// installed (the graphs captured before address the old buffers and must not run).
+// kernel), many rows of many variants (the streaming kernel, which quantizes x itself), a few and
+// many rows of one variant (W_eff formed in the streaming kernel up to 32 rows, the fused GEMM past
+// them) and of the base (the streaming kernel, cuBLAS past 32 rows); and after a variant is dropped
+// and another installed (the graphs captured before address the old buffers and must not run).
 TEST_F(GpuModel, DecodeStepsReplayedAsGraphsMatchStepsLaunchedOneByOne) {
   ModelOptions no = on_cuda();
   no.cuda_graphs = false;
@@ -269,6 +271,9 @@ TEST_F(GpuModel, DecodeStepsReplayedAsGraphsMatchStepsLaunchedOneByOne) {
   run("12 rows of 5 variants", mixed, 8);
   run("12 rows of one variant", one, 8);
   run("12 rows of the base", base, 8);
+  run("4 rows of one variant", std::vector<int>(4, ids[2]), 8);
+  run("40 rows of one variant", std::vector<int>(40, ids[4]), 6);
+  run("40 rows of the base", std::vector<int>(40, 0), 6);
   run("one row of a variant again", {ids[1]}, 6);
   graphs.remove_variant(ids[2]);
   plain.remove_variant(ids[2]);
