@@ -235,16 +235,20 @@ size_t resident_bytes() {
   return resident * size_t(::sysconf(_SC_PAGESIZE));
 }
 
+// A 64 MiB file of varied bytes for the page tests; returns its contents.
+constexpr size_t kBigFile = size_t(64) << 20;
+std::string write_big_file(const std::filesystem::path& p) {
+  std::string data(kBigFile, '\0');
+  for (size_t i = 0; i < kBigFile; ++i) data[i] = char((i * 2654435761u) >> 13);
+  write_raw(p, data);
+  return data;
+}
+
 // release_pages (used after the CPU engine repacks a delta's signs): the mapped pages leave this
 // process's resident memory, and reading them again gives the same bytes.
 TEST(MappedFile, ReleasedPagesLeaveResidentMemoryAndReadBackTheSame) {
   TempDir dir;
-  const size_t size = size_t(64) << 20;
-  {
-    std::string data(size, '\0');
-    for (size_t i = 0; i < size; ++i) data[i] = char((i * 2654435761u) >> 13);
-    write_raw(dir / "big.bin", data);
-  }
+  write_big_file(dir / "big.bin");
   const MappedFile m(dir / "big.bin");
   const auto sum = [&] {
     uint64_t s = 0;
@@ -264,17 +268,14 @@ TEST(MappedFile, ReleasedPagesLeaveResidentMemoryAndReadBackTheSame) {
 // a no-op.
 TEST(MappedFile, PopulatedPagesAreResidentWithTheFilesBytes) {
   TempDir dir;
-  const size_t size = size_t(64) << 20;
-  std::string data(size, '\0');
-  for (size_t i = 0; i < size; ++i) data[i] = char((i * 2246822519u) >> 11);
-  write_raw(dir / "big.bin", data);
+  const std::string data = write_big_file(dir / "big.bin");
   const MappedFile m(dir / "big.bin");
   populate_pages(m.bytes().subspan(0, 0));
   const size_t before = resident_bytes();
   populate_pages(m.bytes());
   const size_t after = resident_bytes();
   EXPECT_GT(after, before + (size_t(48) << 20)) << "before " << before << ", after populate " << after;
-  EXPECT_EQ(std::memcmp(m.bytes().data(), data.data(), size), 0);
+  EXPECT_EQ(std::memcmp(m.bytes().data(), data.data(), kBigFile), 0);
 }
 
 }  // namespace

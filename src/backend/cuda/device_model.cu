@@ -369,8 +369,8 @@ struct DeviceModel::Impl {
   const DeviceVariant* base_dev = nullptr;   // == variants[0], read by uploads on other threads
   float* inv_freq = nullptr;
   std::unique_ptr<PrefillLinear> prefill;
-  // Whether the streaming kernel takes every linear's K on this device: the step's sort of rows by
-  // variant assumes it (gemm_rows); each linear call checks its own operands.
+  // Whether the streaming kernel takes every linear's K on this device (the device buffers are 256-byte
+  // aligned, so its operands fit): decided once here rather than queried per linear call.
   bool streams = false;
   mutable HostTier host_tier;
   std::string name;
@@ -545,7 +545,6 @@ struct DeviceModel::Impl {
       };
       const size_t e = run_end(a);
       const bool alone = (a == 0 || !same_weight(a - 1)) && (e == R || !same_weight(e));  // the whole segment
-      const bool streams = stream_kernel_supports(lin[a]->w, K, xin);
       if (streams && alone && lin[a]->delta.signs && e - a >= kWeffRows && e - a <= kDecodeRows) {
         deltas.assign(e - a, lin[a]->delta);  // one variant: W_eff formed in the streaming kernel's stages
         DecodeOptions o;

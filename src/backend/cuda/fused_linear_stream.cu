@@ -2,11 +2,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <iterator>
 #include <map>
 #include <mutex>
 #include <tuple>
-#include <vector>
 
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
@@ -571,14 +569,14 @@ const DeviceInfo& device_info() {
     d.runs = prop.major == 9 && prop.minor == 0 && tensor_map_encoder() != nullptr;
     d.sms = prop.multiProcessorCount;
     d.smem_optin = int(prop.sharedMemPerBlockOptin);
-    if (d.runs) {
-      std::vector<KernelFn> all(std::begin(kKernelsWeff), std::end(kKernelsWeff));
-      for (const auto& row : kKernels) all.insert(all.end(), std::begin(row), std::end(row));
-      for (KernelFn k : all)
-        if (k)
-          BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(k),
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, d.smem_optin));
-    }
+    const auto opt_in = [&](KernelFn k) {
+      if (d.runs && k)
+        BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(k),
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, d.smem_optin));
+    };
+    for (KernelFn k : kKernelsWeff) opt_in(k);
+    for (const auto& row : kKernels)
+      for (KernelFn k : row) opt_in(k);
   }
   return it->second;
 }
