@@ -12,6 +12,11 @@
 #   serve    `bitdelta serve --device cuda` on the demo family: one request per variant, `bench serve`, /metrics
 #   kernels  bench_cuda_fused_linear (the linear-layer table of issue 6) and bench_gpu_attention
 #   e2e      a synthetic Llama-2-7B-shaped model with 14 deltas (made here, in /tmp) and bench_gpu_e2e
+#   portable the GPU tests again on the engine built with only the compute_80 PTX (.device/bin-ptx,
+#            BITDELTA_CUDA_PTX_ONLY): the driver compiles it for this GPU, which then runs what Ampere,
+#            Ada and Blackwell GPUs run (no streaming kernel, fused GEMM or programmatic launch:
+#            src/backend/cuda/code_arch.h); after e2e also bench_gpu_e2e that way on its model
+#            (BITDELTA_PORTABLE_E2E_ARGS, default --decode 16)
 set -uo pipefail
 out=${1:?usage: tools/gpu_run.sh OUT_DIR}
 mkdir -p "$out"
@@ -105,5 +110,23 @@ if has e2e; then
   cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json \
     $data/base/ 2>/dev/null
   "$bin/bench_gpu_e2e" $data ${BITDELTA_E2E_ARGS:-} --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" || status=1
+fi
+
+if has portable; then
+  echo "== portable: the compute_80 PTX build, compiled by the driver for this GPU"
+  ptx=$root/.device/bin-ptx
+  [ -x "$ptx/bitdelta_gpu_tests" ] || { echo "no .device/bin-ptx: make the bundle again (tools/device_bundle.sh)"; exit 1; }
+  export CUDA_CACHE_PATH=/tmp/bitdelta-ptx-cache BITDELTA_CLI_PATH=$ptx/bitdelta
+  t0=$(date +%s)
+  "$ptx/bitdelta_gpu_tests" 2>&1 | tee "$out/portable_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |runs code|tests ran" || true
+  grep -q "^\[  PASSED  \]" "$out/portable_tests.log" && ! grep -q "^\[  FAILED  \]" "$out/portable_tests.log" || status=1
+  "$ptx/test_cuda_fused_linear" >"$out/portable_kernel_test.log" 2>&1 || status=1
+  head -1 "$out/portable_kernel_test.log"
+  tail -1 "$out/portable_kernel_test.log"
+  echo "portable tests: $(( $(date +%s) - t0 )) s, the driver's compilation included"
+  if has e2e; then
+    "$ptx/bench_gpu_e2e" /tmp/l7b ${BITDELTA_PORTABLE_E2E_ARGS:---decode 16} 2>&1 | tee "$out/portable_e2e.log" || status=1
+  fi
+  export BITDELTA_CLI_PATH=$bin/bitdelta
 fi
 exit $status

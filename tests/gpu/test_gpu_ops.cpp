@@ -7,11 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "backend/cpu/ops.h"
+#include "backend/cuda/code_arch.h"
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/ops.cuh"
 #include "bitdelta/dtype.h"
@@ -72,6 +74,27 @@ double check_close(const std::vector<float>& gpu, const std::vector<float>& cpu,
   }
   std::printf("  %-28s worst scaled error %.2e (bound %.0e)\n", what, worst, bound);
   return worst;
+}
+
+// The sm_90a kernels and programmatic launch follow the code that runs, not the device alone: on a 9.0
+// device the sm_90a code runs, unless the build has only the compute_80 PTX (BITDELTA_CUDA_PTX_ONLY:
+// what Ampere, Ada and Blackwell GPUs run, whose kernels have neither; gpu_run.sh's "portable" stage
+// runs every GPU test that way) or CUDA_FORCE_PTX_JIT=1 makes the driver compile that PTX.
+TEST_F(GpuOps, Sm90aPathsFollowTheLoadedCode) {
+  int dev = 0;
+  CUDA_OK(cudaGetDevice(&dev));
+  cudaDeviceProp p{};
+  CUDA_OK(cudaGetDeviceProperties(&p, dev));
+  const char* force = std::getenv("CUDA_FORCE_PTX_JIT");
+  const bool ptx = BITDELTA_PTX_ONLY || (force && std::string(force) == "1");
+  const int arch = cuda::loaded_code_arch();
+  std::printf("  device sm_%d%d runs code compiled for compute_%d%s\n", p.major, p.minor, arch,
+              BITDELTA_PTX_ONLY ? " (a PTX-only build)" : ptx ? " (CUDA_FORCE_PTX_JIT=1)" : "");
+  if (p.major == 9 && p.minor == 0) {
+    EXPECT_EQ(arch, ptx ? 80 : 90);
+  }
+  EXPECT_EQ(cuda::sm90a_kernels_run(), p.major == 9 && p.minor == 0 && arch >= 90);
+  EXPECT_EQ(cuda::dependent_launch_supported(), p.major >= 9 && arch >= 90);
 }
 
 TEST_F(GpuOps, EmbeddingGatherAndRmsnormWithResidualAdd) {

@@ -726,23 +726,45 @@ __global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KB, size
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-}  // namespace
+__global__ void code_probe_kernel() {}  // loaded_code_arch: compiled for the targets all kernels are
 
-// launch.cuh. Asked at every launch (hundreds per decode step), so the answer is kept per device
-// without a lock: 0 unknown, 1 no, 2 yes.
-bool dependent_launch_supported() {
+// What a device is and runs, asked at every launch (hundreds per decode step): kept per device
+// without a lock, each field 0 until known.
+struct CodeFacts {
+  int major = 0, minor = 0, arch = 0;
+};
+CodeFacts code_facts() {
   constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices];
+  static std::atomic<int> known[kDevices];  // major·10000 + minor·1000 + arch + 1, or 0
   int dev = 0;
   BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
   int v = dev < kDevices ? known[dev].load(std::memory_order_relaxed) : 0;
   if (v == 0) {
-    int major = 0;
+    int major = 0, minor = 0;
     BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    v = major >= 9 ? 2 : 1;
+    BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    cudaFuncAttributes attr{};
+    BITDELTA_CUDA_CHECK(cudaFuncGetAttributes(&attr, code_probe_kernel));
+    v = major * 10000 + minor * 1000 + std::min(attr.ptxVersion, 998) + 1;
     if (dev < kDevices) known[dev].store(v, std::memory_order_relaxed);
   }
-  return v == 2;
+  --v;
+  return {v / 10000, v / 1000 % 10, v % 1000};
+}
+
+}  // namespace
+
+// launch.cuh
+int loaded_code_arch() { return code_facts().arch; }
+
+bool sm90a_kernels_run() {
+  const CodeFacts f = code_facts();
+  return f.major == 9 && f.minor == 0 && f.arch >= 90;
+}
+
+bool dependent_launch_supported() {
+  const CodeFacts f = code_facts();
+  return f.major >= 9 && f.arch >= 90;
 }
 
 void prefer_shared_config(const void* kernel, unsigned bytes) {

@@ -5,6 +5,7 @@
 
 #include "cuda_check.cuh"
 #include "fused_linear_decode.cuh"
+#include "launch.cuh"
 #include "stream_scratch.cuh"
 #include "tma.cuh"
 
@@ -509,12 +510,13 @@ PrefillLinear::PrefillLinear(cudaStream_t stream, size_t scratch_elems)
   BITDELTA_CUBLAS_CHECK(cublasCreate(&handle_));
   BITDELTA_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
   BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&helper_, cudaStreamNonBlocking));
-  // The fused GEMM is built for sm_90a only (wgmma): elsewhere kFused takes the materialize path.
+  // The fused GEMM is built for sm_90a only (wgmma): where that code does not run (launch.cuh), kFused
+  // takes the materialize path.
   int device = 0;
   cudaDeviceProp prop{};
   BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
   BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  fused_arch_ = prop.major == 9 && prop.minor == 0 && tensor_map_encoder() != nullptr;
+  fused_arch_ = sm90a_kernels_run() && tensor_map_encoder() != nullptr;
   sms_ = prop.multiProcessorCount;
   if (fused_arch_) {
     const auto allow = [](const void* kernel, int bytes) {

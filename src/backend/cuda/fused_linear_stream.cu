@@ -566,7 +566,7 @@ const DeviceInfo& device_info() {
     cudaDeviceProp prop{};
     BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
     DeviceInfo& d = it->second;
-    d.runs = prop.major == 9 && prop.minor == 0 && tensor_map_encoder() != nullptr;
+    d.runs = sm90a_kernels_run() && tensor_map_encoder() != nullptr;
     d.sms = prop.multiProcessorCount;
     d.smem_optin = int(prop.sharedMemPerBlockOptin);
     const auto opt_in = [&](KernelFn k) {

@@ -19,6 +19,7 @@
 
 #include <utility>
 
+#include "code_arch.h"
 #include "cuda_check.cuh"
 
 namespace bitdelta::cuda {
@@ -38,9 +39,7 @@ __device__ __forceinline__ void pdl_wait() {
 // A hint that the 128-byte line at p will be read soon (global memory, to L2).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
-// Whether the current device runs programmatic dependent launch (sm_90+; the portable build runs
-// elsewhere without it, every kernel then starting after the one before).
-bool dependent_launch_supported();
+// loaded_code_arch, sm90a_kernels_run, dependent_launch_supported: code_arch.h.
 
 // The launch of a kernel allowed to start before the previous kernel on the stream finishes (see
 // above); attr is its storage.
