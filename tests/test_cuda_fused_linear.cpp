@@ -232,6 +232,31 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect("decode slots/" + std::to_string(rps) + "  " + tag, dy.to_host(), ref, decode_bound);
     }
+    {  // The delta terms alone, added to y (DecodeOptions::delta_only: the engine's path for more rows
+       // of one weight than a register-kernel launch takes, where the streaming kernel does not run):
+       // y holds the CPU's base beforehand, so y + the terms is the whole product. Rows of more than
+       // 16 take several launches; rows with no delta add nothing; the streaming kernel is refused.
+      std::vector<DeltaRef> none(rows);
+      std::vector<float> base(ref.size());
+      bitdelta::cpu::fused_linear_reference(wv, xf, rows, none, nullptr, base);
+      DeviceBuffer<float> dyb(base);
+      bcuda::DecodeOptions o;
+      o.delta_only = true;
+      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyb.ptr, nullptr, o);
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      expect("decode delta only " + tag, dyb.to_host(), ref, decode_bound);
+      o.kernel = DK::kStream;
+      std::string message;
+      try {
+        bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyb.ptr, nullptr, o);
+      } catch (const std::exception& e) {
+        message = e.what();
+      }
+      const bool ok = message.find("delta_only runs on the register kernel alone") != std::string::npos;
+      ++checks;
+      if (!ok) ++failures;
+      std::printf("%s delta only on the streaming kernel refused: \"%s\"\n", ok ? "ok  " : "FAIL", message.c_str());
+    }
     // Back to back on one stream, no synchronization between: the second call's quantized x must
     // not be read before its own quantization finished (programmatic dependent launch), nor
     // overwrite the first call's while that one still reads it.

@@ -568,6 +568,19 @@ struct DeviceModel::Impl {
       }
       deltas.clear();
       for (size_t i = a; i < b; ++i) deltas.push_back(lin[i]->delta);
+      if (!streams && b - a > size_t(kRegisterKernelRows)) {
+        // Without the streaming kernel, each register-kernel launch of 16 rows reads W again: the
+        // base of all the rows through one GEMM instead, then their delta terms added by the register
+        // kernel's delta warps alone (the variants' signs, not W). Run 271, the 7B shape on the
+        // compute_80 build: NOTES.md, part 29.
+        prefill->run(PrefillMethod::kBaseOnly, lin[a]->w, N, K, xin + a * size_t(K), int(b - a), DeltaRef{},
+                     y + a * size_t(N));
+        DecodeOptions o;
+        o.delta_only = true;
+        fused_linear_decode(lin[a]->w, N, K, xin + a * size_t(K), int(b - a), deltas, y + a * size_t(N), ctx->stream, o);
+        a = b;
+        continue;
+      }
       fused_linear_decode(lin[a]->w, N, K, xin + a * size_t(K), int(b - a), deltas, y + a * size_t(N), ctx->stream);
       a = b;
     }

@@ -17,7 +17,7 @@ namespace bitdelta::cuda {
 namespace {
 
 constexpr int kWarps = 8;        // warps per block
-constexpr int kMaxRows = 16;     // rows of x per launch
+constexpr int kMaxRows = kRegisterKernelRows;  // rows of x per launch
 constexpr int kKBlock = 64;      // base: columns per mma step
 constexpr int kDBlock = kSignBlockCols;  // delta: columns per 1-bit mma step (4 base steps)
 
@@ -36,6 +36,7 @@ struct DecodeParams {
   float* y;
   int N, K, KB, rows, k_split, slot_groups, nslots, aligned;
   int base_warps;  // per tile: warps that do the base alone (SPEC kernels), else 0
+  int accumulate;  // y += the sums (DecodeOptions::delta_only), else y = them
   // Warp group g of a tile takes slots [g·MAXS, g·MAXS + MAXS) (those below nslots).
   Slot slots[kMaxRows];
   const float* alpha[kMaxRows];  // per row of x; nullptr: no delta
@@ -351,7 +352,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
     if (n >= N) continue;
     float v = 0.0f;
     for (int q = 0; q < warps_per_tile; ++q) v += ytile[warp + q][r][nl];
-    p.y[size_t(r) * N + n] = v;
+    float* out = p.y + size_t(r) * N + n;
+    *out = p.accumulate ? *out + v : v;
   }
 }
 
@@ -376,8 +378,8 @@ void launch_slots(DecodeParams& p, bool grouped, cudaStream_t stream) {
   if constexpr (RG == 2) {
     // 9–16 rows: both the base and the delta at once did not fit 128 registers without a smaller
     // load batch (slower); so 4 warps of the tile stream W and 4 take the slots (1, 2 or 4 each).
-    // (6 and 2 for up to 4 slots was slower: run 34.)
-    const int delta_warps = kWarps / 2;
+    // (6 and 2 for up to 4 slots was slower: run 34.) The delta alone (accumulate): all 8 take slots.
+    const int delta_warps = p.accumulate ? kWarps : kWarps / 2;
     p.base_warps = kWarps - delta_warps;
     const int per = p.nslots <= delta_warps ? 1 : p.nslots <= 2 * delta_warps ? 2 : 4;
     p.slot_groups = (p.nslots + per - 1) / per;
@@ -825,6 +827,11 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     else if (deltas[q].alpha != d.alpha || deltas[q].alpha_per_row != d.alpha_per_row)
       fail("cuda::fused_linear_decode: rows share signs ", d.signs, " but not alpha");
   }
+  if (options.delta_only) {
+    if (options.form_weights || options.kernel == DecodeKernel::kStream || options.kernel == DecodeKernel::kBalanced)
+      fail("cuda::fused_linear_decode: delta_only runs on the register kernel alone");
+    if (variants == 0) return;  // nothing to add
+  }
   if (options.form_weights) {
     if (options.kernel == DecodeKernel::kRegisters || options.kernel == DecodeKernel::kBalanced ||
         !stream_kernel_supports(w, K, x))
@@ -834,7 +841,8 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     a.blocks = options.blocks, a.stages = options.stages, a.form_weights = true;
     return fused_linear_stream(a, stream);
   }
-  const bool streaming = options.kernel != DecodeKernel::kRegisters && stream_kernel_supports(w, K, x) &&
+  const bool streaming = !options.delta_only && options.kernel != DecodeKernel::kRegisters &&
+                         stream_kernel_supports(w, K, x) &&
                          variants <= kMaxStreamVariants &&
                          (options.kernel == DecodeKernel::kStream || stream_kernel_preferred(N, K, rows));
   if (!streaming && rows > kMaxRows) {  // the register kernel takes 16 rows at a time
@@ -889,7 +897,7 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   // One row: the balanced grid, which quantizes x itself, unless the register kernel's own grid was
   // asked for.
   const DeltaRef* row_delta = deltas[0].signs ? &deltas[0] : nullptr;
-  if (!streaming && rows == 1 && options.kernel != DecodeKernel::kRegisters) {
+  if (!streaming && rows == 1 && options.kernel != DecodeKernel::kRegisters && !options.delta_only) {
     const RowPlan plan = plan_row(N, K, row_delta != nullptr);
     if (plan.valid) return launch_row(plan, w, N, K, x, row_delta, y, p.aligned, stream);
   }
@@ -915,6 +923,10 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
       a.xq = p.xq;
     a.y = y, a.blocks = options.blocks, a.stages = options.stages;
     return fused_linear_stream(a, stream);
+  }
+  if (options.delta_only) {  // the specialized form with no base warps
+    p.accumulate = 1;
+    return launch_slots<2>(p, grouped, stream);
   }
   if (rows <= 8)
     launch_slots<1>(p, grouped, stream);

@@ -51,7 +51,8 @@ namespace bitdelta::cuda {
 //               16-byte aligned W and x; otherwise the register kernel runs (for one row, kBalanced).
 enum class DecodeKernel { kAuto, kRegisters, kStream, kBalanced };
 
-constexpr int kMaxDecodeRows = 32;  // rows of x per call
+constexpr int kMaxDecodeRows = 32;      // rows of x per call
+constexpr int kRegisterKernelRows = 16;  // rows of x per launch of the register kernel (more: several)
 
 struct DecodeOptions {
   // kRegisters: warps that share one 16-row tile along K (1, 2, 4 or 8); 0 = choose. (Not used by
@@ -74,6 +75,11 @@ struct DecodeOptions {
   // kStream (or kAuto) with every row of one variant: W_eff formed in the stage (StreamArgs::form_weights;
   // the prefill bound applies). Refused where the streaming kernel does not run or the rows differ.
   bool form_weights = false;
+  // y += the rows' delta terms alone, α ⊙ (x·Sᵀ): W is not read and rows without a delta add nothing
+  // (the register kernel, its delta warps only, 16 rows per launch). For a base computed apart, by a
+  // GEMM that reads W once for more rows than one register-kernel launch takes (where the streaming
+  // kernel does not run: device_model.cu).
+  bool delta_only = false;
 };
 
 // w: [N, K] bf16 row-major; x: [rows, K] bf16; y: [rows, N] f32; all device pointers. deltas[r]
