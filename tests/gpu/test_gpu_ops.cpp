@@ -78,8 +78,8 @@ double check_close(const std::vector<float>& gpu, const std::vector<float>& cpu,
 
 // The sm_90a kernels and programmatic launch follow the code that runs, not the device alone: on a 9.0
 // device the sm_90a code runs, unless the build has only the compute_80 PTX (BITDELTA_CUDA_PTX_ONLY:
-// what Ampere, Ada and Blackwell GPUs run, whose kernels have neither; gpu_run.sh's "portable" stage
-// runs every GPU test that way) or CUDA_FORCE_PTX_JIT=1 makes the driver compile that PTX.
+// the code that GPUs other than H100/H200 run, whose kernels have neither; gpu_run.sh's "portable"
+// stage runs every GPU test that way) or CUDA_FORCE_PTX_JIT=1 makes the driver compile that PTX.
 TEST_F(GpuOps, Sm90aPathsFollowTheLoadedCode) {
   int dev = 0;
   CUDA_OK(cudaGetDevice(&dev));

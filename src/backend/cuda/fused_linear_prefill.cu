@@ -510,7 +510,7 @@ PrefillLinear::PrefillLinear(cudaStream_t stream, size_t scratch_elems)
   BITDELTA_CUBLAS_CHECK(cublasCreate(&handle_));
   BITDELTA_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
   BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&helper_, cudaStreamNonBlocking));
-  // The fused GEMM is built for sm_90a only (wgmma): where that code does not run (launch.cuh), kFused
+  // The fused GEMM is built for sm_90a only (wgmma): where that code does not run (code_arch.h), kFused
   // takes the materialize path.
   int device = 0;
   cudaDeviceProp prop{};
