@@ -7,8 +7,8 @@
 # most 64 MiB with the tracked files, which the binaries alone (37 MB) would nearly fill: so they also
 # go xz-compressed into .device/bundle.tar.xz (about 4 MB), and a run carries only that file
 # (carry [".device/bundle.tar.xz"]); gpu_run.sh unpacks it there. The bundle also holds, in
-# .device/bin-ptx, the engine and its GPU tests built with only the compute_80 PTX (build-cuda-ptx/), for
-# gpu_run.sh's "portable" stage.
+# .device/bin-ptx and .device/bin-ptx90, the engine and its GPU tests built with only the compute_80 or
+# the compute_90 PTX (build-cuda-ptx/, build-cuda-ptx90/), for gpu_run.sh's "portable" stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BITDELTA_CUDA_BUILD:-build-cuda}
@@ -19,17 +19,19 @@ targets=(bitdelta bitdelta_gpu_tests bench_gpu_e2e bench_gpu_attention make_synt
          bench_cuda_fused_linear)
 if [ "${BITDELTA_BUNDLE_EXTRA:-0}" = 1 ]; then targets+=(bitdelta_tests bench_linear bench_mma_rates bench_b1_delta); fi
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
-# The same engine with only the compute_80 PTX (BITDELTA_CUDA_PTX_ONLY), for gpu_run.sh's "portable"
-# stage: on the H200 it runs what GPUs other than sm_90 run.
-ptx_build=${build}-ptx
+# The same engine with one PTX alone (BITDELTA_CUDA_PTX_ONLY=80 and 90), for gpu_run.sh's "portable"
+# stage: on the H200 they run what 8.x GPUs and GPUs after Hopper run.
 ptx_targets=(bitdelta bitdelta_gpu_tests test_cuda_fused_linear bench_gpu_e2e)
-if [ ! -f "$ptx_build/CMakeCache.txt" ]; then
-  cmake -S . -B "$ptx_build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBITDELTA_CUDA=ON -DBITDELTA_CUDA_PTX_ONLY=ON \
-    -DCMAKE_CUDA_FLAGS="--threads=0"
-fi
-cmake --build "$ptx_build" -j "$(nproc)" --target "${ptx_targets[@]}"
-rm -rf .device/bin .device/bin-ptx .device/lib
-mkdir -p .device/bin .device/bin-ptx .device/lib
+for arch in 80 90; do
+  ptx_build=${build}-ptx$([ $arch = 80 ] || echo $arch)
+  if [ ! -f "$ptx_build/CMakeCache.txt" ]; then
+    cmake -S . -B "$ptx_build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBITDELTA_CUDA=ON -DBITDELTA_CUDA_PTX_ONLY=$arch \
+      -DCMAKE_CUDA_FLAGS="--threads=0"
+  fi
+  cmake --build "$ptx_build" -j "$(nproc)" --target "${ptx_targets[@]}"
+done
+rm -rf .device/bin .device/bin-ptx .device/bin-ptx90 .device/lib
+mkdir -p .device/bin .device/bin-ptx .device/bin-ptx90 .device/lib
 copy_bins() {  # build dir, destination, targets...
   local from=$1 to=$2
   shift 2
@@ -40,15 +42,16 @@ copy_bins() {  # build dir, destination, targets...
   done
 }
 copy_bins "$build" .device/bin "${targets[@]}"
-copy_bins "$ptx_build" .device/bin-ptx "${ptx_targets[@]}"
+copy_bins "${build}-ptx" .device/bin-ptx "${ptx_targets[@]}"
+copy_bins "${build}-ptx90" .device/bin-ptx90 "${ptx_targets[@]}"
 # Libraries from our Debian -dev packages that Ubuntu's GPU image does not have (OpenBLAS, OpenSSL,
 # zlib and CUDA's own libraries are there).
 for l in libcpp-httplib.so.0.11 libsentencepiece.so.0 libxxhash.so.0 libbrotlicommon.so.1 libbrotlidec.so.1 \
          libbrotlienc.so.1 libbenchmark.so.1debian; do
   cp -L "/lib/x86_64-linux-gnu/$l" .device/lib/
 done
-tar -C .device -cf - bin bin-ptx lib | xz -T0 -6 >.device/bundle.tar.xz
+tar -C .device -cf - bin bin-ptx bin-ptx90 lib | xz -T0 -6 >.device/bundle.tar.xz
 tracked=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 bundle=$(du -b .device/bundle.tar.xz | cut -f1)
-echo ".device/bin + bin-ptx + lib: $(du -sh .device/bin .device/bin-ptx .device/lib | cut -f1 | tr '\n' ' '); .device/bundle.tar.xz: $((bundle >> 10)) KiB;" \
+echo ".device/bin + bin-ptx + bin-ptx90 + lib: $(du -sh .device/bin .device/bin-ptx .device/bin-ptx90 .device/lib | cut -f1 | tr '\n' ' '); .device/bundle.tar.xz: $((bundle >> 10)) KiB;" \
   "a run carrying it and the tracked files ($((tracked >> 20)) MiB) has $((((64 << 20) - tracked - bundle) >> 20)) MiB to spare"

@@ -12,10 +12,11 @@
 #   serve    `bitdelta serve --device cuda` on the demo family: one request per variant, `bench serve`, /metrics
 #   kernels  bench_cuda_fused_linear (the linear-layer table of issue 6) and bench_gpu_attention
 #   e2e      a synthetic Llama-2-7B-shaped model with 14 deltas (made here, in /tmp) and bench_gpu_e2e
-#   portable the GPU tests again on the engine built with only the compute_80 PTX (.device/bin-ptx,
-#            BITDELTA_CUDA_PTX_ONLY): the driver compiles it for this GPU, which then runs what Ampere,
-#            Ada and Blackwell GPUs run (no streaming kernel, fused GEMM or programmatic launch:
-#            src/backend/cuda/code_arch.h); after e2e also bench_gpu_e2e that way on its model
+#   portable the GPU tests again on the engine built with one PTX alone (BITDELTA_CUDA_PTX_ONLY):
+#            .device/bin-ptx (compute_80: what 8.x GPUs run, as sm_80 code) and .device/bin-ptx90
+#            (compute_90: what GPUs after Hopper run). The driver compiles it for this GPU, which then
+#            runs without the sm_90a kernels, and with programmatic launch only from the compute_90
+#            PTX (src/backend/cuda/code_arch.h); after e2e also bench_gpu_e2e on each, on its model
 #            (BITDELTA_PORTABLE_E2E_ARGS, default --decode 16)
 set -uo pipefail
 out=${1:?usage: tools/gpu_run.sh OUT_DIR}
@@ -113,20 +114,26 @@ if has e2e; then
 fi
 
 if has portable; then
-  echo "== portable: the compute_80 PTX build, compiled by the driver for this GPU"
-  ptx=$root/.device/bin-ptx
-  [ -x "$ptx/bitdelta_gpu_tests" ] || { echo "no .device/bin-ptx: make the bundle again (tools/device_bundle.sh)"; exit 1; }
-  export CUDA_CACHE_PATH=/tmp/bitdelta-ptx-cache BITDELTA_CLI_PATH=$ptx/bitdelta
-  t0=$(date +%s)
-  "$ptx/bitdelta_gpu_tests" 2>&1 | tee "$out/portable_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |runs code|tests ran" || true
-  grep -q "^\[  PASSED  \]" "$out/portable_tests.log" && ! grep -q "^\[  FAILED  \]" "$out/portable_tests.log" || status=1
-  "$ptx/test_cuda_fused_linear" >"$out/portable_kernel_test.log" 2>&1 || status=1
-  head -1 "$out/portable_kernel_test.log"
-  tail -1 "$out/portable_kernel_test.log"
-  echo "portable tests: $(( $(date +%s) - t0 )) s, the driver's compilation included"
-  if has e2e; then
-    "$ptx/bench_gpu_e2e" /tmp/l7b ${BITDELTA_PORTABLE_E2E_ARGS:---decode 16} 2>&1 | tee "$out/portable_e2e.log" || status=1
-  fi
+  for arch in 80 90; do
+    echo "== portable: the compute_$arch PTX build, compiled by the driver for this GPU"
+    sfx=$([ $arch = 80 ] || echo $arch)
+    ptx=$root/.device/bin-ptx$sfx
+    [ -x "$ptx/bitdelta_gpu_tests" ] || { echo "no .device/bin-ptx$sfx: make the bundle again (tools/device_bundle.sh)"; exit 1; }
+    export CUDA_CACHE_PATH=/tmp/bitdelta-ptx$sfx-cache BITDELTA_CLI_PATH=$ptx/bitdelta
+    t0=$(date +%s)
+    "$ptx/bitdelta_gpu_tests" 2>&1 | tee "$out/portable${sfx}_tests.log" |
+      grep -E "^\[  (FAILED|PASSED|SKIPPED) |runs code|tests ran" || true
+    grep -q "^\[  PASSED  \]" "$out/portable${sfx}_tests.log" && ! grep -q "^\[  FAILED  \]" "$out/portable${sfx}_tests.log" ||
+      status=1
+    "$ptx/test_cuda_fused_linear" >"$out/portable${sfx}_kernel_test.log" 2>&1 || status=1
+    head -1 "$out/portable${sfx}_kernel_test.log"
+    tail -1 "$out/portable${sfx}_kernel_test.log"
+    echo "portable tests (compute_$arch): $(( $(date +%s) - t0 )) s, the driver's compilation included"
+    if has e2e; then
+      "$ptx/bench_gpu_e2e" /tmp/l7b ${BITDELTA_PORTABLE_E2E_ARGS:---decode 16} 2>&1 |
+        tee "$out/portable${sfx}_e2e.log" || status=1
+    fi
+  done
   export BITDELTA_CLI_PATH=$bin/bitdelta
 fi
 exit $status

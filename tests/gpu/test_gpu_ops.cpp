@@ -76,25 +76,31 @@ double check_close(const std::vector<float>& gpu, const std::vector<float>& cpu,
   return worst;
 }
 
-// The sm_90a kernels and programmatic launch follow the code that runs, not the device alone: on a 9.0
-// device the sm_90a code runs, unless the build has only the compute_80 PTX (BITDELTA_CUDA_PTX_ONLY:
-// the code that GPUs other than H100/H200 run, whose kernels have neither; gpu_run.sh's "portable"
-// stage runs every GPU test that way) or CUDA_FORCE_PTX_JIT=1 makes the driver compile that PTX.
+// The sm_90a kernels and programmatic launch follow the code that runs, not the device alone. On a 9.0
+// device: the sm_90a code runs (both on), unless the build has one PTX alone (BITDELTA_CUDA_PTX_ONLY:
+// 80, the code 8.x GPUs run, neither; 90, what GPUs after Hopper run, programmatic launch only;
+// gpu_run.sh's "portable" stage runs every GPU test on both) or CUDA_FORCE_PTX_JIT=1 makes the driver
+// compile the build's compute_90 PTX.
 TEST_F(GpuOps, Sm90aPathsFollowTheLoadedCode) {
   int dev = 0;
   CUDA_OK(cudaGetDevice(&dev));
   cudaDeviceProp p{};
   CUDA_OK(cudaGetDeviceProperties(&p, dev));
   const char* force = std::getenv("CUDA_FORCE_PTX_JIT");
-  const bool ptx = BITDELTA_PTX_ONLY || (force && std::string(force) == "1");
-  const int arch = cuda::loaded_code_arch();
-  std::printf("  device sm_%d%d runs code compiled for compute_%d%s\n", p.major, p.minor, arch,
-              BITDELTA_PTX_ONLY ? " (a PTX-only build)" : ptx ? " (CUDA_FORCE_PTX_JIT=1)" : "");
+  const bool forced = force && std::string(force) == "1";
+  const int ptx_only = BITDELTA_PTX_ONLY;  // 0, 80 or 90
+  const cuda::LoadedCode c = cuda::loaded_code();
+  std::printf("  device sm_%d%d runs code from PTX version %d: sm_90a kernels %s, griddepcontrol %s%s\n", p.major,
+              p.minor, c.ptx_version, c.sm90a ? "yes" : "no", c.griddepcontrol ? "yes" : "no",
+              ptx_only ? (ptx_only == 80 ? " (a compute_80 build)" : " (a compute_90 build)")
+                       : forced ? " (CUDA_FORCE_PTX_JIT=1)" : "");
   if (p.major == 9 && p.minor == 0) {
-    EXPECT_EQ(arch, ptx ? 80 : 90);
+    EXPECT_EQ(c.ptx_version, ptx_only ? ptx_only : 90);
+    EXPECT_EQ(c.sm90a, ptx_only == 0 && !forced);
+    EXPECT_EQ(c.griddepcontrol, ptx_only != 80);
   }
-  EXPECT_EQ(cuda::sm90a_kernels_run(), p.major == 9 && p.minor == 0 && arch >= 90);
-  EXPECT_EQ(cuda::dependent_launch_supported(), p.major >= 9 && arch >= 90);
+  EXPECT_EQ(cuda::sm90a_kernels_run(), p.major == 9 && p.minor == 0 && c.sm90a);
+  EXPECT_EQ(cuda::dependent_launch_supported(), p.major >= 9 && c.griddepcontrol);
 }
 
 TEST_F(GpuOps, EmbeddingGatherAndRmsnormWithResidualAdd) {

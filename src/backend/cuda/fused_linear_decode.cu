@@ -12,6 +12,7 @@
 #include "fused_linear_stream.cuh"
 #include "launch.cuh"
 #include "stream_scratch.cuh"
+#include "tma.cuh"
 
 namespace bitdelta::cuda {
 namespace {
@@ -728,16 +729,35 @@ __global__ void pack_signs_kernel(const uint8_t* raw, int N, int K, int KB, size
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-__global__ void code_probe_kernel() {}  // loaded_code_arch: compiled for the targets all kernels are
+// loaded_code: what this kernel's code was compiled with shows in the size of its static shared memory,
+// which the host reads from its attributes without launching it.
+constexpr int kProbeBytes = 16, kProbeSm90a = 1024, kProbeGriddep = 2048;
+__global__ void code_probe_kernel(int* out) {
+#ifdef BITDELTA_FUSED_WGMMA
+  constexpr int kSm90a = kProbeSm90a;
+#else
+  constexpr int kSm90a = 0;
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // (launch.cuh's condition for griddepcontrol)
+  constexpr int kGriddep = kProbeGriddep;
+#else
+  constexpr int kGriddep = 0;
+#endif
+  __shared__ unsigned char s[kProbeBytes + kSm90a + kGriddep];
+  s[threadIdx.x] = 1;
+  __syncthreads();
+  if (out) *out = s[blockDim.x - 1];
+}
 
-// What a device is and runs, asked at every launch (hundreds per decode step): kept per device
-// without a lock, each field 0 until known.
+// The device and its loaded code, asked at every launch (hundreds per decode step): kept per device
+// without a lock.
 struct CodeFacts {
-  int major = 0, minor = 0, arch = 0;
+  int major = 0, minor = 0;
+  LoadedCode code;
 };
 CodeFacts code_facts() {
   constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices];  // major·10000 + minor·1000 + arch + 1, or 0
+  static std::atomic<int> known[kDevices];  // 1 + (major << 20 | minor << 16 | ptx << 4 | sm90a << 1 | griddep), or 0
   int dev = 0;
   BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
   int v = dev < kDevices ? known[dev].load(std::memory_order_relaxed) : 0;
@@ -747,26 +767,33 @@ CodeFacts code_facts() {
     BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     cudaFuncAttributes attr{};
     BITDELTA_CUDA_CHECK(cudaFuncGetAttributes(&attr, code_probe_kernel));
-    v = major * 10000 + minor * 1000 + std::min(attr.ptxVersion, 998) + 1;
+    const int extra = int(attr.sharedSizeBytes) - kProbeBytes;
+    if (extra < 0 || (extra & ~(kProbeSm90a | kProbeGriddep)) != 0)
+      fail("cuda: the code probe's shared memory is ", attr.sharedSizeBytes, " bytes, not a known form");
+    v = 1 + (std::min(major, 127) << 20 | (minor & 15) << 16 | (std::min(attr.ptxVersion, 4095) << 4) |
+             ((extra & kProbeSm90a) ? 2 : 0) | ((extra & kProbeGriddep) ? 1 : 0));
     if (dev < kDevices) known[dev].store(v, std::memory_order_relaxed);
   }
   --v;
-  return {v / 10000, v / 1000 % 10, v % 1000};
+  CodeFacts f;
+  f.major = v >> 20, f.minor = (v >> 16) & 15;
+  f.code.ptx_version = (v >> 4) & 4095, f.code.sm90a = (v >> 1) & 1, f.code.griddepcontrol = v & 1;
+  return f;
 }
 
 }  // namespace
 
-// launch.cuh
-int loaded_code_arch() { return code_facts().arch; }
+// code_arch.h
+LoadedCode loaded_code() { return code_facts().code; }
 
 bool sm90a_kernels_run() {
   const CodeFacts f = code_facts();
-  return f.major == 9 && f.minor == 0 && f.arch >= 90;
+  return f.major == 9 && f.minor == 0 && f.code.sm90a;
 }
 
 bool dependent_launch_supported() {
   const CodeFacts f = code_facts();
-  return f.major >= 9 && f.arch >= 90;
+  return f.major >= 9 && f.code.griddepcontrol;
 }
 
 void prefer_shared_config(const void* kernel, unsigned bytes) {

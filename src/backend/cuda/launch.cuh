@@ -39,7 +39,7 @@ __device__ __forceinline__ void pdl_wait() {
 // A hint that the 128-byte line at p will be read soon (global memory, to L2).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
-// loaded_code_arch, sm90a_kernels_run, dependent_launch_supported: code_arch.h.
+// loaded_code, sm90a_kernels_run, dependent_launch_supported: code_arch.h.
 
 // The launch of a kernel allowed to start before the previous kernel on the stream finishes (see
 // above); attr is its storage.
