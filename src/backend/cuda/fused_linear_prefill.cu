@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "code_arch.h"
 #include "cuda_check.cuh"
 #include "fused_linear_decode.cuh"
-#include "launch.cuh"
 #include "stream_scratch.cuh"
 #include "tma.cuh"
 
