@@ -280,18 +280,22 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
   }
   bool one_variant = true;
   for (int v : row_variant) one_variant = one_variant && v == row_variant[0];
-  // The streaming kernel with W_eff formed in its stages (DecodeOptions::form_weights): every row of
-  // one variant; W_eff in bf16 as the fused prefill GEMM rounds it, so the prefill bound. Its own grid,
-  // grids that cut tiles (1, 3 blocks, two per tile), a two-stage ring, twice in a row. Rows of
-  // several variants, or none, are refused with one line naming the row.
-  if (rows <= bcuda::kMaxDecodeRows && bcuda::stream_kernel_supports(wb, K, xb)) {
+  // W_eff formed from W's loads (DecodeOptions::form_weights): every row of one variant; W_eff in bf16
+  // as the fused prefill GEMM rounds it, so the prefill bound. In the streaming kernel's stages (its
+  // own grid, grids that cut tiles: 1, 3 blocks, two per tile; a two-stage ring), where it runs; in the
+  // register kernel's registers on every GPU (each k_split). Twice in a row: the same result. Rows of
+  // several variants, or none, are refused with one line naming the row, by both.
+  if (rows <= bcuda::kMaxDecodeRows) {
+    using DK = bcuda::DecodeKernel;
+    const bool streams = bcuda::stream_kernel_supports(wb, K, xb);
     const int tiles64 = (N + 63) / 64;
     if (one_variant && row_variant[0] >= 0) {
       for (int blocks : {0, 1, 3, 2 * tiles64})
         for (int stages : {0, 2}) {
+          if (!streams) continue;
           if (blocks > tiles64 && blocks != 2 * tiles64) continue;
           poison(dy.ptr, dy.n);
-          bcuda::DecodeOptions o{0, 0, bcuda::DecodeKernel::kStream, stages};
+          bcuda::DecodeOptions o{0, 0, DK::kStream, stages};
           o.blocks = blocks;
           o.form_weights = true;
           const int calls = blocks == 0 && stages == 0 ? 2 : 1;  // twice in a row: the same result
@@ -301,23 +305,55 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
                      std::to_string(calls) + " " + tag,
                  dy.to_host(), ref, 4e-3);
         }
+      for (int ks : {0, 1, 2, 4, 8}) {
+        poison(dy.ptr, dy.n);
+        bcuda::DecodeOptions o{ks, 0, DK::kRegisters};
+        o.form_weights = true;
+        const int calls = ks == 0 ? 2 : 1;
+        for (int c = 0; c < calls; ++c) bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
+        BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+        expect("registers W_eff ks=" + std::to_string(ks) + " x" + std::to_string(calls) + " " + tag, dy.to_host(), ref,
+               4e-3);
+      }
+      // The balanced one-row kernel does not form W_eff, nor does the streaming kernel where it does
+      // not run: refused with one line.
+      for (DK kernel : {DK::kBalanced, DK::kStream}) {
+        if (kernel == DK::kStream && streams) continue;
+        bcuda::DecodeOptions o{0, 0, kernel};
+        o.form_weights = true;
+        std::string message;
+        try {
+          bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
+        } catch (const std::exception& e) {
+          message = e.what();
+        }
+        const std::string want = kernel == DK::kBalanced ? "not kBalanced" : "streaming kernel does not run here";
+        const bool ok = message.find(want) != std::string::npos;
+        ++checks;
+        if (!ok) ++failures;
+        std::printf("%s W_eff on %s refused (%s): \"%s\"\n", ok ? "ok  " : "FAIL",
+                    kernel == DK::kBalanced ? "balanced" : "stream", tag.c_str(), message.c_str());
+      }
     } else {
       int differs = 1;
       while (differs < rows && row_variant[differs] == row_variant[0]) ++differs;
-      bcuda::DecodeOptions o{0, 0, bcuda::DecodeKernel::kStream};
-      o.form_weights = true;
-      std::string message;
-      try {
-        bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
-      } catch (const std::exception& e) {
-        message = e.what();
-      }
       const std::string want = row_variant[0] < 0 ? "row 0 has no delta"
                                                   : "one variant; row " + std::to_string(differs) + " differs";
-      const bool ok = message.find(want) != std::string::npos;
-      ++checks;
-      if (!ok) ++failures;
-      std::printf("%s stream W_eff refused (%s): \"%s\"\n", ok ? "ok  " : "FAIL", tag.c_str(), message.c_str());
+      for (DK kernel : {DK::kAuto, DK::kRegisters}) {
+        bcuda::DecodeOptions o{0, 0, kernel};
+        o.form_weights = true;
+        std::string message;
+        try {
+          bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
+        } catch (const std::exception& e) {
+          message = e.what();
+        }
+        const bool ok = message.find(want) != std::string::npos;
+        ++checks;
+        if (!ok) ++failures;
+        std::printf("%s %s W_eff refused (%s): \"%s\"\n", ok ? "ok  " : "FAIL",
+                    kernel == DK::kAuto ? "auto" : "registers", tag.c_str(), message.c_str());
+      }
     }
   }
   // Prefill paths: one variant for all rows (the first row's).

@@ -21,7 +21,7 @@ if [ "${BITDELTA_BUNDLE_EXTRA:-0}" = 1 ]; then targets+=(bitdelta_tests bench_li
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 # The same engine with one PTX alone (BITDELTA_CUDA_PTX_ONLY=80 and 90), for gpu_run.sh's "portable"
 # stage: on the H200 they run what 8.x GPUs and GPUs after Hopper run.
-ptx_targets=(bitdelta bitdelta_gpu_tests test_cuda_fused_linear bench_gpu_e2e)
+ptx_targets=(bitdelta bitdelta_gpu_tests test_cuda_fused_linear bench_gpu_e2e bench_cuda_fused_linear)
 for arch in 80 90; do
   ptx_build=${build}-ptx$([ $arch = 80 ] || echo $arch)
   if [ ! -f "$ptx_build/CMakeCache.txt" ]; then

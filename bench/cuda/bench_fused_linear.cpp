@@ -661,7 +661,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // reading W) against the fused GEMM (one read of W), next to cuBLAS on the base.
   {
     if (!profile_only)
-      for (int rows : {8, 12, 16, 17, 24, 32, 48}) {
+      for (int rows : {2, 4, 8, 12, 16, 17, 24, 32, 48}) {
         const std::string cs = "c': " + std::to_string(rows) + " rows 1 variant";
         const double tb = time_us([&](int s) { cublas_rows(rows, s); }, preps);
         add({shape, cs, "cuBLAS base-only", tb, double(wbytes), 0, ""});
@@ -694,7 +694,47 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                 bcuda::fused_linear_decode(W(s), N, K, X, rows, {d, size_t(rows)}, Y, nullptr, o);
               },
               preps);
-          add({shape, cs, "stream, W_eff formed", tw, w_s_bytes, tb, "x cuBLAS"});
+          add({shape, cs, stream_runs ? "stream, W_eff formed" : "W_eff formed (registers)", tw, w_s_bytes, tb,
+               "x cuBLAS"});
+          // Where the streaming kernel does not run (other GPUs; here with kRegisters): the register
+          // kernel's W_eff form, against what the engine took before it: 16-row register-kernel
+          // launches (each reading W), and past 16 rows cuBLAS on the base + the delta-only launches.
+          const double tr = time_us(
+              [&](int s) {
+                DeltaRef d[32];
+                for (int v = 0; v < rows; ++v) d[v] = delta(s, 0);
+                bcuda::DecodeOptions o{0, 0, kRegisters};
+                o.form_weights = true;
+                bcuda::fused_linear_decode(W(s), N, K, X, rows, {d, size_t(rows)}, Y, nullptr, o);
+              },
+              preps);
+          add({shape, cs, "registers, W_eff formed", tr, w_s_bytes, tb, "x cuBLAS"});
+          const double tg = time_us(
+              [&](int s) {
+                DeltaRef d[32];
+                for (int v = 0; v < rows; ++v) d[v] = delta(s, 0);
+                bcuda::fused_linear_decode(W(s), N, K, X, rows, {d, size_t(rows)}, Y, nullptr, {0, 0, kRegisters});
+              },
+              preps);
+          add({shape, cs, "registers, 16-row calls", tg, w_s_bytes, tb, "x cuBLAS"});
+          if (rows > 16) {
+            const double tdo = time_us(
+                [&](int s) {
+                  DeltaRef d[32];
+                  for (int v = 0; v < rows; ++v) d[v] = delta(s, 0);
+                  cublas_rows(rows, s);
+                  bcuda::DecodeOptions o;
+                  o.delta_only = true;
+                  bcuda::fused_linear_decode(W(s), N, K, X, rows, {d, size_t(rows)}, Y, nullptr, o);
+                },
+                preps);
+            add({shape, cs, "cuBLAS base + delta-only launches", tdo, w_s_bytes, tb, "x cuBLAS"});
+          }
+        }
+        {
+          const double tm = time_us(
+              [&](int s) { prefill.run(M::kMaterialize, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
+          add({shape, cs, "materialize + cuBLAS", tm, w_s_bytes, tb, "x cuBLAS"});
         }
         const std::pair<const char*, FC> forms[] = {{"fused GEMM", {}},
                                                     {"fused GEMM tile/block", {64, 64, FS::kTilePerBlock}},

@@ -64,6 +64,9 @@ constexpr size_t kDecodeRows = 32;          // rows per fused decode call (its l
 constexpr size_t kGemmRowsBase = 17, kGemmRowsFused = 17, kGemmRowsMaterialize = 48;
 constexpr size_t kGemmRowsBaseAlone = 12, kGemmRowsFusedAlone = 8;
 constexpr size_t kWeffRows = 2;
+// Where the streaming kernel does not run, a variant alone from this many rows takes the register
+// kernel's W_eff form (one launch, W read once; NOTES.md, part 30).
+constexpr size_t kWeffRowsRegisters = 2;
 size_t gemm_rows(bool with_delta, bool fused, bool alone, bool streams) {
   if (streams && !with_delta) return kDecodeRows + 1;
   if (alone && !with_delta) return kGemmRowsBaseAlone;
@@ -545,8 +548,10 @@ struct DeviceModel::Impl {
       };
       const size_t e = run_end(a);
       const bool alone = (a == 0 || !same_weight(a - 1)) && (e == R || !same_weight(e));  // the whole segment
-      if (streams && alone && lin[a]->delta.signs && e - a >= kWeffRows && e - a <= kDecodeRows) {
-        deltas.assign(e - a, lin[a]->delta);  // one variant: W_eff formed in the streaming kernel's stages
+      if (alone && lin[a]->delta.signs && e - a >= (streams ? kWeffRows : kWeffRowsRegisters) && e - a <= kDecodeRows) {
+        // One variant: W_eff formed in the streaming kernel's stages, or elsewhere in the register
+        // kernel's registers; all the rows in one launch.
+        deltas.assign(e - a, lin[a]->delta);
         DecodeOptions o;
         o.form_weights = true;
         fused_linear_decode(lin[a]->w, N, K, xin + a * size_t(K), int(e - a), deltas, y + a * size_t(N), ctx->stream, o);

@@ -400,6 +400,118 @@ void launch_slots(DecodeParams& p, bool grouped, cudaStream_t stream) {
   }
 }
 
+// Every row of one variant where the streaming kernel does not run (DecodeOptions::form_weights):
+// W_eff = W + α·S formed in registers from W's loads and the variant's sign fragments, then the bf16
+// mma as for the base. One launch for up to 32 rows (W and the signs read once), no 1-bit path and
+// no quantizing launch before it. Rounds as the fused prefill GEMM and the streaming kernel's
+// form_weights do: bf16(W + bf16(α)·s) (tma.cuh). The grid is the register kernel's: whole 16-row
+// tiles per block, k_split warps per tile along K, their sums met in shared memory.
+struct WeffParams {
+  const __nv_bfloat16* w;
+  const __nv_bfloat16* x;
+  float* y;
+  const uint4* signs;  // packed layout
+  const float* alpha;
+  int alpha_per_row;
+  int N, K, KB, rows, k_split, aligned;
+};
+
+// The sign byte of columns [c, c + 8) for column c's pair layout: z with each column's right
+// neighbour 16 bits above it (delta_pair's form), from byte b of the word v.
+__device__ __forceinline__ uint32_t sign_pairs(uint32_t v, int b) {
+  const uint32_t B = __byte_perm(v, 0u, 0x4440u | uint32_t(b));
+  return __byte_perm(B, B >> 1, 0x5410);
+}
+// W_eff in place for 8 columns of one row (words of 2 columns each, column 2i at bits 15 − 2i of z).
+__device__ __forceinline__ void form_weff8(uint4& e, uint32_t z, uint32_t na) {
+  e.x = bf16x2_add(e.x, delta_pair(z, 15, na));
+  e.y = bf16x2_add(e.y, delta_pair(z, 13, na));
+  e.z = bf16x2_add(e.z, delta_pair(z, 11, na));
+  e.w = bf16x2_add(e.w, delta_pair(z, 9, na));
+}
+
+template <int RG, int kU>
+__global__ void __launch_bounds__(kWarps * 32, 2) decode_weff_kernel(const WeffParams p) {
+  pdl_launch_dependents();  // launch.cuh: the next kernel may start; this one waits below
+  __shared__ float ytile[kWarps][kMaxDecodeRows][16];  // per warp: [row of x][row of the tile]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane >> 2, t = lane & 3;
+  const int tiles_per_block = kWarps / p.k_split, kpart = warp % p.k_split;
+  const int n0 = (blockIdx.x * tiles_per_block + warp / p.k_split) * 16;
+  const int K = p.K, N = p.N;
+  const int nA = min(n0 + gid, N - 1), nB = min(n0 + gid + 8, N - 1);
+  const __nv_bfloat16* wA = p.w + size_t(nA) * K;
+  const __nv_bfloat16* wB = p.w + size_t(nB) * K;
+  const __nv_bfloat16* xrow[RG];
+#pragma unroll
+  for (int g = 0; g < RG; ++g) xrow[g] = p.x + size_t(min(g * 8 + gid, p.rows - 1)) * K;
+  const int ci = (t & 1) + 4 * (t >> 1);  // this thread's 8-column chunks: ci and ci + 2 of each 64
+  const bool aligned = p.aligned;
+  const int kb_begin = p.KB * kpart / p.k_split, kb_end = p.KB * (kpart + 1) / p.k_split;
+  // The lane's sign fragment of block kb is sg[kb·32]. Lane t's W elements of 64-column step s of a
+  // block (columns 64s + 8·ci + [0, 8) and + 16) have their bits in the fragment of lane
+  // 4·gid + 2(s & 1) + (t >> 1), register 2(s >> 1) + (row gid + 8), bytes (t & 1) and (t & 1) + 2.
+  const uint4* sg = p.signs + size_t(min(n0, N - 1) / 16) * p.KB * 32 + lane;
+  const int src0 = (lane & ~3) | (t >> 1);
+  const int eb = t & 1;
+  // W, the signs and α are not written by the kernels before (launch.cuh): loaded before the wait.
+  const uint32_t naA = neg_alpha_pair(__ldg(p.alpha + (p.alpha_per_row ? nA : 0)));
+  const uint32_t naB = neg_alpha_pair(__ldg(p.alpha + (p.alpha_per_row ? nB : 0)));
+  {
+    const int k = kb_begin * kDBlock + t * (kDBlock / 4);
+    if (n0 < N && kb_begin < kb_end && k < K) prefetch_l2(wA + k), prefetch_l2(wB + k);
+  }
+  pdl_wait();
+  float acc[RG][4] = {};
+  if (n0 < N) {
+#pragma unroll 1
+    for (int kb = kb_begin; kb < kb_end; ++kb) {
+      // The block's sign fragment, loaded with its first batch of W; each step takes its two words
+      // (rows gid and gid + 8) from their source lane.
+      const uint4 sa = ldg_stream(sg + size_t(kb) * 32);
+#pragma unroll
+      for (int h = 0; h < kDBlock / kKBlock / kU; ++h) {
+        const int k0 = kb * kDBlock + h * kU * kKBlock;
+        uint4 we[kU][2], wf[kU][2], xe[kU][RG], xf[kU][RG];
+        load_base<RG, kU>(wA, wB, xrow, k0, K, ci, aligned, we, wf, xe, xf);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int s = h * kU + u, src = src0 + 2 * (s & 1);
+          const uint32_t vA = __shfl_sync(0xffffffffu, s < 2 ? sa.x : sa.z, src);
+          const uint32_t vB = __shfl_sync(0xffffffffu, s < 2 ? sa.y : sa.w, src);
+          if (k0 + u * kKBlock >= K) break;
+          form_weff8(we[u][0], sign_pairs(vA, eb), naA);
+          form_weff8(wf[u][0], sign_pairs(vA, eb + 2), naA);
+          form_weff8(we[u][1], sign_pairs(vB, eb), naB);
+          form_weff8(wf[u][1], sign_pairs(vB, eb + 2), naB);
+        }
+        mma_base<RG, kU>(k0, K, we, wf, xe, xf, acc);
+      }
+    }
+  }
+  // The warp's partial y, then the tile's warps summed by its first.
+  float* yw = &ytile[warp][0][0];
+#pragma unroll
+  for (int g = 0; g < RG; ++g)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) yw[(8 * g + 2 * t + (i & 1)) * 16 + gid + 8 * (i >> 1)] = acc[g][i];
+  __syncthreads();
+  if (kpart != 0 || n0 >= N) return;
+  for (int e = lane; e < p.rows * 16; e += 32) {
+    const int r = e >> 4, nl = e & 15, n = n0 + nl;
+    if (n >= N) continue;
+    float v = 0.0f;
+    for (int q = 0; q < p.k_split; ++q) v += ytile[warp + q][r][nl];
+    p.y[size_t(r) * N + n] = v;
+  }
+}
+
+template <int RG, int kU>
+void launch_weff(const WeffParams& p, cudaStream_t stream) {
+  const int tiles = (p.N + 15) / 16, tiles_per_block = kWarps / p.k_split;
+  launch_chained(decode_weff_kernel<RG, kU>, dim3(unsigned((tiles + tiles_per_block - 1) / tiles_per_block)),
+                 dim3(kWarps * 32), 0, stream, p);
+}
+
 // One row of x (decode at batch 1): the base and at most one variant, on a grid that gives every
 // block the same bytes. A unit is one 16-row tile × one 256-column block of W (and of the signs).
 // Two blocks per multiprocessor take contiguous ranges of the tiles·KB units in tile order: whole
@@ -860,13 +972,33 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     if (variants == 0) return;  // nothing to add
   }
   if (options.form_weights) {
-    if (options.kernel == DecodeKernel::kRegisters || options.kernel == DecodeKernel::kBalanced ||
-        !stream_kernel_supports(w, K, x))
-      fail("cuda::fused_linear_decode: form_weights needs the streaming kernel (sm_90a, K a multiple of 8)");
-    StreamArgs a{};
-    a.w = w, a.N = N, a.K = K, a.x = x, a.rows = rows, a.deltas = deltas.data(), a.y = y;
-    a.blocks = options.blocks, a.stages = options.stages, a.form_weights = true;
-    return fused_linear_stream(a, stream);
+    if (options.kernel == DecodeKernel::kBalanced)
+      fail("cuda::fused_linear_decode: form_weights runs on the streaming or the register kernel, not kBalanced");
+    if (!deltas[0].signs) fail("cuda::fused_linear_decode: form_weights: row 0 has no delta");
+    for (int r = 1; r < rows; ++r)
+      if (deltas[r].signs != deltas[0].signs)
+        fail("cuda::fused_linear_decode: form_weights needs every row of one variant; row ", r, " differs");
+    if (options.kernel != DecodeKernel::kRegisters && stream_kernel_supports(w, K, x)) {
+      StreamArgs a{};
+      a.w = w, a.N = N, a.K = K, a.x = x, a.rows = rows, a.deltas = deltas.data(), a.y = y;
+      a.blocks = options.blocks, a.stages = options.stages, a.form_weights = true;
+      return fused_linear_stream(a, stream);
+    }
+    if (options.kernel == DecodeKernel::kStream)
+      fail("cuda::fused_linear_decode: the streaming kernel does not run here (sm_90a, K a multiple of 8)");
+    // The register kernel's W_eff form: every row in one launch.
+    WeffParams p{};
+    p.w = w, p.x = x, p.y = y, p.N = N, p.K = K, p.KB = sign_blocks(K), p.rows = rows;
+    p.signs = reinterpret_cast<const uint4*>(deltas[0].signs);
+    p.alpha = deltas[0].alpha, p.alpha_per_row = deltas[0].alpha_per_row ? 1 : 0;
+    p.k_split = options.k_split ? options.k_split : decode_default_k_split(N, rows);
+    if (p.k_split != 1 && p.k_split != 2 && p.k_split != 4 && p.k_split != 8)
+      fail("cuda::fused_linear_decode: k_split ", p.k_split, " (1, 2, 4 or 8)");
+    p.aligned = K % kKBlock == 0 && aligned16(w) && aligned16(x);
+    if (rows <= 8) return launch_weff<1, 2>(p, stream);
+    if (rows <= 16) return launch_weff<2, 2>(p, stream);
+    if (rows <= 24) return launch_weff<3, 1>(p, stream);
+    return launch_weff<4, 1>(p, stream);
   }
   const bool streaming = !options.delta_only && options.kernel != DecodeKernel::kRegisters &&
                          stream_kernel_supports(w, K, x) &&

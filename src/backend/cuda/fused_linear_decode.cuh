@@ -1,5 +1,6 @@
 // The fused multi-variant BitDelta linear for decode (1..32 rows; the register kernel takes 16 at a
-// time, the streaming kernel all 32 in one read of W):
+// time, the streaming kernel all 32 in one read of W; with every row of one variant both can form
+// W_eff instead, in one launch: DecodeOptions::form_weights):
 //   y[r] = x[r]·W_baseᵀ + α_v(r) ⊙ (x[r]·S_v(r)ᵀ),   S = ±1 from the sign bits (DESIGN.md §3).
 //
 // Bytes decide it (decode is memory-bound): per launch the base is read once for all rows and each
@@ -72,8 +73,10 @@ struct DecodeOptions {
   // tiles or twice them (a tile is cut between at most two blocks); 0 = choose (tests and benchmarks
   // set it).
   int blocks = 0;
-  // kStream (or kAuto) with every row of one variant: W_eff formed in the stage (StreamArgs::form_weights;
-  // the prefill bound applies). Refused where the streaming kernel does not run or the rows differ.
+  // Every row of one variant: W_eff = W + α·S formed from W's loads, rounded to bf16 as the fused
+  // prefill GEMM does (its bound applies), all rows in one launch. kAuto: in the streaming kernel's
+  // stages where it runs (StreamArgs::form_weights), else in the register kernel's registers (any
+  // GPU); kStream or kRegisters: that one. Refused where rows differ or row 0 has no delta.
   bool form_weights = false;
   // y += the rows' delta terms alone, α ⊙ (x·Sᵀ): W is not read and rows without a delta add nothing
   // (the register kernel, its delta warps only, 16 rows per launch). For a base computed apart, by a
