@@ -699,16 +699,20 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           // Where the streaming kernel does not run (other GPUs; here with kRegisters): the register
           // kernel's W_eff form, against what the engine took before it: 16-row register-kernel
           // launches (each reading W), and past 16 rows cuBLAS on the base + the delta-only launches.
-          const double tr = time_us(
-              [&](int s) {
-                DeltaRef d[32];
-                for (int v = 0; v < rows; ++v) d[v] = delta(s, 0);
-                bcuda::DecodeOptions o{0, 0, kRegisters};
-                o.form_weights = true;
-                bcuda::fused_linear_decode(W(s), N, K, X, rows, {d, size_t(rows)}, Y, nullptr, o);
-              },
-              preps);
-          add({shape, cs, "registers, W_eff formed", tr, w_s_bytes, tb, "x cuBLAS"});
+          // Its warps per tile along K (k_split): the engine's choice, and 8, 4 and 2.
+          for (int ks : {0, 8, 4, 2}) {
+            const double tk = time_us(
+                [&](int s) {
+                  DeltaRef d[32];
+                  for (int v = 0; v < rows; ++v) d[v] = delta(s, 0);
+                  bcuda::DecodeOptions o{ks, 0, kRegisters};
+                  o.form_weights = true;
+                  bcuda::fused_linear_decode(W(s), N, K, X, rows, {d, size_t(rows)}, Y, nullptr, o);
+                },
+                preps);
+            add({shape, cs, "registers, W_eff formed" + (ks ? ", ks=" + std::to_string(ks) : std::string()), tk,
+                 w_s_bytes, tb, "x cuBLAS"});
+          }
           const double tg = time_us(
               [&](int s) {
                 DeltaRef d[32];

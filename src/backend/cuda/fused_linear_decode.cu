@@ -991,7 +991,7 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     p.w = w, p.x = x, p.y = y, p.N = N, p.K = K, p.KB = sign_blocks(K), p.rows = rows;
     p.signs = reinterpret_cast<const uint4*>(deltas[0].signs);
     p.alpha = deltas[0].alpha, p.alpha_per_row = deltas[0].alpha_per_row ? 1 : 0;
-    p.k_split = options.k_split ? options.k_split : decode_default_k_split(N, rows);
+    p.k_split = options.k_split ? options.k_split : weff_default_k_split(N);
     if (p.k_split != 1 && p.k_split != 2 && p.k_split != 4 && p.k_split != 8)
       fail("cuda::fused_linear_decode: k_split ", p.k_split, " (1, 2, 4 or 8)");
     p.aligned = K % kKBlock == 0 && aligned16(w) && aligned16(x);
@@ -1110,6 +1110,17 @@ void quantize_x_in_block(const __nv_bfloat16* x, int K, uint8_t* xq, cudaStream_
   if (smem > (48u << 10)) allow_row_smem<quantize_in_block_kernel>();
   quantize_in_block_kernel<<<1, kWarps * 32, smem, stream>>>(x, K, K % 8 == 0 && aligned16(x), xq);
   BITDELTA_CUDA_CHECK_LAUNCH();
+}
+
+int weff_default_k_split(int N) {
+  // The fewest warps per tile along K (2, 4, 8) that still give every multiprocessor a block: the
+  // warps of a block then share more of their loads of x (through L1). Run 279 (compute_80 build,
+  // 2-32 rows of one variant): the fastest of 2, 4 and 8 at all five benchmark shapes, or within 1%
+  // (bench/cuda/NOTES.md, part 30).
+  const int64_t tiles = (int64_t(N) + 15) / 16, sms = multiprocessors();
+  for (int ks : {2, 4})
+    if ((tiles * ks + kWarps - 1) / kWarps >= sms) return ks;
+  return kWarps;
 }
 
 int decode_default_k_split(int N, int rows) {

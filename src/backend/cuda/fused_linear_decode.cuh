@@ -104,6 +104,8 @@ void quantize_x_in_block(const __nv_bfloat16* x, int K, uint8_t* xq, cudaStream_
 // The k_split that the register kernel chooses for N output rows and `rows` rows of x (before slot
 // groups take warps).
 int decode_default_k_split(int N, int rows);
+// The k_split of the register kernel's W_eff form (DecodeOptions::form_weights) for N output rows.
+int weff_default_k_split(int N);
 
 // The packed sign layout (packed_signs.h) of an [N, K] delta: bytes, and the conversion from the
 // file's layout ([N, ceil(K/8)] bytes, LSB first), on the GPU. Both pointers on the device; packed is
