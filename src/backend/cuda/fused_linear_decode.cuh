@@ -8,8 +8,9 @@
 // (k_split, in 256-column blocks) and, with many variants, across them (1–2 slots per warp, the base
 // of the warp's K range split among the warps that share it). Each warp streams its loads straight
 // into registers, a batch of them in flight before the first is used; partial sums meet in shared
-// memory. W_eff is never formed. (A shared-memory pipeline, with per-thread cp.async or with bulk
-// copies, was measured slower: bench/cuda/NOTES.md.)
+// memory. W_eff is not formed, except in the one-variant form (DecodeOptions::form_weights). (A
+// shared-memory pipeline, with per-thread cp.async or with bulk copies, was measured slower:
+// bench/cuda/NOTES.md.)
 //
 // Arithmetic, on the tensor cores:
 //   base   bf16 mma.m16n8k16, W rows × x rows, f32 accumulation;
