@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -87,6 +88,20 @@ void expect(const std::string& what, const std::vector<float>& y, const std::vec
   if (!ok) ++failures;
   std::printf("%s %-70s rel_err %.3e (bound %.0e)%s\n", ok ? "ok  " : "FAIL", what.c_str(), err,
               bound, finite ? "" : " NON-FINITE OUTPUT");
+}
+
+// A call that must be refused: the one line it throws names `want`.
+void expect_refused(const std::string& what, const std::string& want, const std::function<void()>& call) {
+  std::string message;
+  try {
+    call();
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const bool ok = message.find(want) != std::string::npos;
+  ++checks;
+  if (!ok) ++failures;
+  std::printf("%s %s refused: \"%s\"\n", ok ? "ok  " : "FAIL", what.c_str(), message.c_str());
 }
 
 void poison(float* y, size_t n) {
@@ -197,17 +212,9 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
     if (streams && tiles64 > 1) {  // more blocks than tiles, not twice them: refused, naming the numbers
       bcuda::DecodeOptions o{0, 0, DK::kStream};
       o.blocks = tiles64 + 1;
-      std::string message;
-      try {
-        bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
-      } catch (const std::exception& e) {
-        message = e.what();
-      }
-      const std::string want = std::to_string(tiles64 + 1) + " blocks for " + std::to_string(tiles64) + " tiles";
-      const bool ok = message.find(want) != std::string::npos;
-      ++checks;
-      if (!ok) ++failures;
-      std::printf("%s stream blocks=%d refused: \"%s\"\n", ok ? "ok  " : "FAIL", tiles64 + 1, message.c_str());
+      expect_refused("stream blocks=" + std::to_string(tiles64 + 1),
+                     std::to_string(tiles64 + 1) + " blocks for " + std::to_string(tiles64) + " tiles",
+                     [&] { bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o); });
     }
     {  // x quantized before the call (DecodeOptions::xq), both kernels
       DeviceBuffer<uint8_t> dq(bcuda::quantized_x_bytes(rows, K));
@@ -246,16 +253,8 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect("decode delta only " + tag, dyb.to_host(), ref, decode_bound);
       o.kernel = DK::kStream;
-      std::string message;
-      try {
-        bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyb.ptr, nullptr, o);
-      } catch (const std::exception& e) {
-        message = e.what();
-      }
-      const bool ok = message.find("delta_only runs on the register kernel alone") != std::string::npos;
-      ++checks;
-      if (!ok) ++failures;
-      std::printf("%s delta only on the streaming kernel refused: \"%s\"\n", ok ? "ok  " : "FAIL", message.c_str());
+      expect_refused("delta only on the streaming kernel", "delta_only runs on the register kernel alone",
+                     [&] { bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyb.ptr, nullptr, o); });
     }
     // Back to back on one stream, no synchronization between: the second call's quantized x must
     // not be read before its own quantization finished (programmatic dependent launch), nor
@@ -321,18 +320,9 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
         if (kernel == DK::kStream && streams) continue;
         bcuda::DecodeOptions o{0, 0, kernel};
         o.form_weights = true;
-        std::string message;
-        try {
-          bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
-        } catch (const std::exception& e) {
-          message = e.what();
-        }
-        const std::string want = kernel == DK::kBalanced ? "not kBalanced" : "streaming kernel does not run here";
-        const bool ok = message.find(want) != std::string::npos;
-        ++checks;
-        if (!ok) ++failures;
-        std::printf("%s W_eff on %s refused (%s): \"%s\"\n", ok ? "ok  " : "FAIL",
-                    kernel == DK::kBalanced ? "balanced" : "stream", tag.c_str(), message.c_str());
+        expect_refused(std::string("W_eff on ") + (kernel == DK::kBalanced ? "balanced" : "stream") + " (" + tag + ")",
+                       kernel == DK::kBalanced ? "not kBalanced" : "streaming kernel does not run here",
+                       [&] { bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o); });
       }
     } else {
       int differs = 1;
@@ -342,17 +332,8 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       for (DK kernel : {DK::kAuto, DK::kRegisters}) {
         bcuda::DecodeOptions o{0, 0, kernel};
         o.form_weights = true;
-        std::string message;
-        try {
-          bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
-        } catch (const std::exception& e) {
-          message = e.what();
-        }
-        const bool ok = message.find(want) != std::string::npos;
-        ++checks;
-        if (!ok) ++failures;
-        std::printf("%s %s W_eff refused (%s): \"%s\"\n", ok ? "ok  " : "FAIL",
-                    kernel == DK::kAuto ? "auto" : "registers", tag.c_str(), message.c_str());
+        expect_refused(std::string(kernel == DK::kAuto ? "auto" : "registers") + " W_eff (" + tag + ")", want,
+                       [&] { bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o); });
       }
     }
   }

@@ -684,18 +684,19 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
             },
             preps);
         add({shape, cs, "fused decode, 32-row calls", td, w_s_bytes, tb, "x cuBLAS"});
-        if (rows <= 32) {  // the streaming kernel with W_eff formed in its stages (one launch)
-          const double tw = time_us(
-              [&](int s) {
-                DeltaRef d[32];
-                for (int v = 0; v < rows; ++v) d[v] = delta(s, 0);
-                bcuda::DecodeOptions o;
-                o.form_weights = true;
-                bcuda::fused_linear_decode(W(s), N, K, X, rows, {d, size_t(rows)}, Y, nullptr, o);
-              },
-              preps);
-          add({shape, cs, stream_runs ? "stream, W_eff formed" : "W_eff formed (registers)", tw, w_s_bytes, tb,
-               "x cuBLAS"});
+        if (rows <= 32) {
+          if (stream_runs) {  // the streaming kernel with W_eff formed in its stages (one launch)
+            const double tw = time_us(
+                [&](int s) {
+                  DeltaRef d[32];
+                  for (int v = 0; v < rows; ++v) d[v] = delta(s, 0);
+                  bcuda::DecodeOptions o{0, 0, kStream};
+                  o.form_weights = true;
+                  bcuda::fused_linear_decode(W(s), N, K, X, rows, {d, size_t(rows)}, Y, nullptr, o);
+                },
+                preps);
+            add({shape, cs, "stream, W_eff formed", tw, w_s_bytes, tb, "x cuBLAS"});
+          }
           // Where the streaming kernel does not run (other GPUs; here with kRegisters): the register
           // kernel's W_eff form, against what the engine took before it: 16-row register-kernel
           // launches (each reading W), and past 16 rows cuBLAS on the base + the delta-only launches.

@@ -63,10 +63,10 @@ constexpr size_t kDecodeRows = 32;          // rows per fused decode call (its l
 // keeps the one-row kernel: W_eff took 5.13 ms against its 4.48 (run 266).
 constexpr size_t kGemmRowsBase = 17, kGemmRowsFused = 17, kGemmRowsMaterialize = 48;
 constexpr size_t kGemmRowsBaseAlone = 12, kGemmRowsFusedAlone = 8;
+// Where the streaming kernel does not run, a variant alone takes the register kernel's W_eff form from
+// the same 2 rows (one launch, W read once): at 2 rows it took 11-22% less time than the register
+// kernel's combined form at all five benchmark shapes (run 280, NOTES.md part 30).
 constexpr size_t kWeffRows = 2;
-// Where the streaming kernel does not run, a variant alone from this many rows takes the register
-// kernel's W_eff form (one launch, W read once; NOTES.md, part 30).
-constexpr size_t kWeffRowsRegisters = 2;
 size_t gemm_rows(bool with_delta, bool fused, bool alone, bool streams) {
   if (streams && !with_delta) return kDecodeRows + 1;
   if (alone && !with_delta) return kGemmRowsBaseAlone;
@@ -548,7 +548,7 @@ struct DeviceModel::Impl {
       };
       const size_t e = run_end(a);
       const bool alone = (a == 0 || !same_weight(a - 1)) && (e == R || !same_weight(e));  // the whole segment
-      if (alone && lin[a]->delta.signs && e - a >= (streams ? kWeffRows : kWeffRowsRegisters) && e - a <= kDecodeRows) {
+      if (alone && lin[a]->delta.signs && e - a >= kWeffRows && e - a <= kDecodeRows) {
         // One variant: W_eff formed in the streaming kernel's stages, or elsewhere in the register
         // kernel's registers; all the rows in one launch.
         deltas.assign(e - a, lin[a]->delta);

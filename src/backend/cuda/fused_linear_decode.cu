@@ -133,6 +133,42 @@ __device__ __forceinline__ void mma_base(int k0, int K, const uint4 (&we)[kU][2]
   }
 }
 
+// A warp's operands in a 16-row tile at n0 (both forms of the register kernel): W's rows gid and gid + 8
+// (clamped to N − 1: rows past N are read, their sums not written) and, per group of 8 rows of x, its
+// row g·8 + gid (clamped to the last row).
+template <int RG>
+__device__ __forceinline__ void tile_operands(const __nv_bfloat16* w, const __nv_bfloat16* x, int N, int K, int rows,
+                                              int n0, int gid, const __nv_bfloat16*& wA, const __nv_bfloat16*& wB,
+                                              const __nv_bfloat16* (&xrow)[RG]) {
+  wA = w + size_t(min(n0 + gid, N - 1)) * K;
+  wB = w + size_t(min(n0 + gid + 8, N - 1)) * K;
+#pragma unroll
+  for (int g = 0; g < RG; ++g) xrow[g] = x + size_t(min(g * 8 + gid, rows - 1)) * K;
+}
+
+// A warp's base sums (mma fragments) into yw[row of x][row of the tile].
+template <int RG>
+__device__ __forceinline__ void store_tile_sums(const float (&acc)[RG][4], float* yw, int t, int gid) {
+#pragma unroll
+  for (int g = 0; g < RG; ++g)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) yw[(8 * g + 2 * t + (i & 1)) * 16 + gid + 8 * (i >> 1)] = acc[g][i];
+}
+
+// The tile's rows of y, by the first of its warps: y[r][n0 + nl] = (or +=) the sum over `warps`
+// consecutive warps of ysum[warp][r][nl] (warp_stride floats from one warp's sums to the next).
+__device__ __forceinline__ void write_tile(const float* ysum, int warp_stride, int warps, int rows, int n0, int N,
+                                           float* y, bool accumulate, int lane) {
+  for (int e = lane; e < rows * 16; e += 32) {
+    const int r = e >> 4, nl = e & 15, n = n0 + nl;
+    if (n >= N) continue;
+    float v = 0.0f;
+    for (int q = 0; q < warps; ++q) v += ysum[q * warp_stride + r * 16 + nl];
+    float* out = y + size_t(r) * N + n;
+    *out = accumulate ? *out + v : v;
+  }
+}
+
 // f(s, i, r) for each row r of x that a warp's slots take: slot s < nmine, its i-th row (bit i of the
 // slot's mask). Warp-uniform.
 template <int MAXS, int RS, typename F>
@@ -197,12 +233,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   const Slot* slots = p.slots + sgroup * MAXS;
   const int nmine = base_role ? 0 : min(MAXS, p.nslots - sgroup * MAXS);
   const int K = p.K, N = p.N;
-  const int nA = min(n0 + gid, N - 1), nB = min(n0 + gid + 8, N - 1);
-  const __nv_bfloat16* wA = p.w + size_t(nA) * K;
-  const __nv_bfloat16* wB = p.w + size_t(nB) * K;
-  const __nv_bfloat16* xrow[RG];
-#pragma unroll
-  for (int g = 0; g < RG; ++g) xrow[g] = p.x + size_t(min(g * 8 + gid, p.rows - 1)) * K;
+  const __nv_bfloat16 *wA, *wB, *xrow[RG];
+  tile_operands<RG>(p.w, p.x, N, K, p.rows, n0, gid, wA, wB, xrow);
   const int ci = (t & 1) + 4 * (t >> 1);  // this thread's 8-column chunks: ci and ci + 2 of each 64
   const bool aligned = p.aligned;
   // Per slot: this lane's sign fragment of block kb is sgn[s][kb·32].
@@ -319,10 +351,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
 #pragma unroll
   for (int i = 0; i < 8; ++i) yw[lane + 32 * i] = 0.0f;
   __syncwarp();
-#pragma unroll
-  for (int g = 0; g < RG; ++g)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) yw[(8 * g + 2 * t + (i & 1)) * 16 + gid + 8 * (i >> 1)] = acc[g][i];
+  store_tile_sums<RG>(acc, yw, t, gid);
   __syncwarp();
   if (n0 < N)
     for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int r) {
@@ -348,14 +377,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   // Sum the tile's warps, then write y[r][n].
   __syncthreads();
   if (in_tile != 0 || n0 >= N) return;
-  for (int e = lane; e < p.rows * 16; e += 32) {
-    const int r = e >> 4, nl = e & 15, n = n0 + nl;
-    if (n >= N) continue;
-    float v = 0.0f;
-    for (int q = 0; q < warps_per_tile; ++q) v += ytile[warp + q][r][nl];
-    float* out = p.y + size_t(r) * N + n;
-    *out = p.accumulate ? *out + v : v;
-  }
+  write_tile(&ytile[warp][0][0], kMaxRows * 16, warps_per_tile, p.rows, n0, N, p.y, p.accumulate, lane);
 }
 
 template <int RG, int MAXS, int RS, bool SPEC = false>
@@ -438,12 +460,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_weff_kernel(const WeffP
   const int tiles_per_block = kWarps / p.k_split, kpart = warp % p.k_split;
   const int n0 = (blockIdx.x * tiles_per_block + warp / p.k_split) * 16;
   const int K = p.K, N = p.N;
-  const int nA = min(n0 + gid, N - 1), nB = min(n0 + gid + 8, N - 1);
-  const __nv_bfloat16* wA = p.w + size_t(nA) * K;
-  const __nv_bfloat16* wB = p.w + size_t(nB) * K;
-  const __nv_bfloat16* xrow[RG];
-#pragma unroll
-  for (int g = 0; g < RG; ++g) xrow[g] = p.x + size_t(min(g * 8 + gid, p.rows - 1)) * K;
+  const __nv_bfloat16 *wA, *wB, *xrow[RG];
+  tile_operands<RG>(p.w, p.x, N, K, p.rows, n0, gid, wA, wB, xrow);
   const int ci = (t & 1) + 4 * (t >> 1);  // this thread's 8-column chunks: ci and ci + 2 of each 64
   const bool aligned = p.aligned;
   const int kb_begin = p.KB * kpart / p.k_split, kb_end = p.KB * (kpart + 1) / p.k_split;
@@ -454,8 +472,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_weff_kernel(const WeffP
   const int src0 = (lane & ~3) | (t >> 1);
   const int eb = t & 1;
   // W, the signs and α are not written by the kernels before (launch.cuh): loaded before the wait.
-  const uint32_t naA = neg_alpha_pair(__ldg(p.alpha + (p.alpha_per_row ? nA : 0)));
-  const uint32_t naB = neg_alpha_pair(__ldg(p.alpha + (p.alpha_per_row ? nB : 0)));
+  const uint32_t naA = neg_alpha_pair(__ldg(p.alpha + (p.alpha_per_row ? min(n0 + gid, N - 1) : 0)));
+  const uint32_t naB = neg_alpha_pair(__ldg(p.alpha + (p.alpha_per_row ? min(n0 + gid + 8, N - 1) : 0)));
   {
     const int k = kb_begin * kDBlock + t * (kDBlock / 4);
     if (n0 < N && kb_begin < kb_end && k < K) prefetch_l2(wA + k), prefetch_l2(wB + k);
@@ -489,20 +507,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_weff_kernel(const WeffP
     }
   }
   // The warp's partial y, then the tile's warps summed by its first.
-  float* yw = &ytile[warp][0][0];
-#pragma unroll
-  for (int g = 0; g < RG; ++g)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) yw[(8 * g + 2 * t + (i & 1)) * 16 + gid + 8 * (i >> 1)] = acc[g][i];
+  store_tile_sums<RG>(acc, &ytile[warp][0][0], t, gid);
   __syncthreads();
   if (kpart != 0 || n0 >= N) return;
-  for (int e = lane; e < p.rows * 16; e += 32) {
-    const int r = e >> 4, nl = e & 15, n = n0 + nl;
-    if (n >= N) continue;
-    float v = 0.0f;
-    for (int q = 0; q < p.k_split; ++q) v += ytile[warp + q][r][nl];
-    p.y[size_t(r) * N + n] = v;
-  }
+  write_tile(&ytile[warp][0][0], kMaxDecodeRows * 16, p.k_split, p.rows, n0, N, p.y, false, lane);
 }
 
 template <int RG, int kU>
