@@ -29,6 +29,7 @@
 #include "backend/cpu/fused_linear.h"
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/fused_linear_decode.cuh"
+#include "backend/cuda/fused_gemm_mma.cuh"
 #include "backend/cuda/fused_linear_prefill.cuh"
 #include "backend/cuda/fused_linear_reference.cuh"
 #include "backend/cuda/fused_linear_stream.cuh"
@@ -362,12 +363,23 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
                               {M::kFused, "fused 64x64 p   ", {64, 64, S::kPersistent}},
                               {M::kFused, "fused 64x64 sk  ", {64, 64, S::kStreamK}},
                               {M::kFused, "fused 64x64     ", {64, 64, S::kTilePerBlock}},
-                              {M::kFused, "fused, default  ", {}}};
+                              {M::kFused, "fused, default  ", {}},
+                              // The portable kernel (mma.sync), each tile and ring, K split (at most
+                              // K/64 ways) or not; its own choice.
+                              {M::kFusedMma, "mma 128 rows, 3", {0, 0, S::kStreamK, 128, 3}},
+                              {M::kFusedMma, "mma 128 rows, 4", {0, 0, S::kStreamK, 128, 4}},
+                              {M::kFusedMma, "mma 64 rows, 3 ", {0, 0, S::kStreamK, 64, 3}},
+                              {M::kFusedMma, "mma 64 rows, 4 ", {0, 0, S::kStreamK, 64, 4}},
+                              {M::kFusedMma, "mma 64, split 3", {0, 0, S::kStreamK, 64, 3, 3}},
+                              {M::kFusedMma, "mma 128, split 2", {0, 0, S::kStreamK, 128, 4, 2}},
+                              {M::kFusedMma, "mma, default   ", {}}};
     static bool said = false;
     if (!said) {
       said = true;
+      const std::string portable = "the portable kernel runs up to " + std::to_string(bcuda::kPortableFusedRows) +
+                                   " rows, materialize past them";
       std::printf("fused gemm: %s on this GPU (K a multiple of 64, at least 128)\n",
-                  prefill.fused_gemm_supported(wb, 1024, xb) ? "the sm_90a kernel runs" : "falls back to materialize");
+                  prefill.fused_gemm_supported(wb, 1024, xb) ? "the sm_90a kernel runs" : portable.c_str());
     }
     for (auto [m, name, fused] : methods) {
       poison(dy.ptr, dy.n);
@@ -404,6 +416,22 @@ int main() {
   }
   std::mt19937 rng(20261129);
   try {
+    // The portable fused GEMM refuses, with one line, what it does not take (before any launch: the
+    // pointers are never read).
+    {
+      const auto* any = reinterpret_cast<const __nv_bfloat16*>(uintptr_t(256));
+      const auto* odd = reinterpret_cast<const __nv_bfloat16*>(uintptr_t(258));
+      auto* y = reinterpret_cast<float*>(uintptr_t(256));
+      const DeltaRef none{};
+      expect_refused("mma gemm, K 100", "needs K a multiple of 64",
+                     [&] { bcuda::mma_gemm(any, 64, 100, any, 8, none, y, nullptr, {64, 3, 1}); });
+      expect_refused("mma gemm, unaligned x", "16-byte aligned W, x and signs",
+                     [&] { bcuda::mma_gemm(any, 64, 128, odd, 8, none, y, nullptr, {64, 3, 1}); });
+      expect_refused("mma gemm, split 3 of K 128", "not split 3 ways",
+                     [&] { bcuda::mma_gemm(any, 64, 128, any, 8, none, y, nullptr, {64, 3, 3}); });
+      expect_refused("mma gemm, tile 96", "no tile of 96 rows",
+                     [&] { bcuda::mma_gemm(any, 64, 128, any, 8, none, y, nullptr, {96, 3, 1}); });
+    }
     // x quantized by one block in shared memory (the one-row kernel's transpose) against
     // quantize_x (ballots): the same bytes, on aligned and unaligned x, K not a multiple of 256 or
     // of 8, a block of zeros, one value far above the rest, tiny values.
@@ -499,6 +527,8 @@ int main() {
     // The fused GEMM's tiles (128 output rows × 128 rows of x) with partial edges in both.
     for (bool per_row : {true, false}) check_case(rng, 520, 1024, std::vector<int>(300, 0), 1, per_row);
     check_case(rng, 200, 576, std::vector<int>(150, 0), 1, true);  // 9 stages of 64 columns: an odd count
+    check_case(rng, 72, 64, std::vector<int>(40, 0), 1, false);     // one stage (the portable kernel's ring)
+    check_case(rng, 136, 192, std::vector<int>(200, 0), 1, true);   // three stages, 2 tiles of x's rows
     // More tiles than an H200 has multiprocessors (64 × 256 tiles: 136 × 2 = 272 for 132): whole
     // tiles, then a wave and a bit split by stages, each split tile in two or three pieces.
     check_case(rng, 8645, 1024, std::vector<int>(300, 0), 1, true);

@@ -7,7 +7,8 @@
 // Modes: (none) all cases at the five shapes; --prefill [N K ...] case (c) only, at those shapes or
 // the five; --one-row [N K ...] case (a) only (alone, alternating, in chains of 20); --many-variants
 // [N K ...] cases (b), d and e only (rows of several variants); --few-rows
-// [N K ...] case c' (8–48 rows of one variant) only; --quick the first shape; --profile [N K],
+// [N K ...] case c' (8–48 rows of one variant) only; --prefill-rows R [N K ...] case (c) with R rows
+// instead of 512 (not c'); --quick the first shape; --profile [N K],
 // --profile-prefill [N K [rows]] few reps (for ncu);
 // --tile-read [N K ...] the streaming kernel's TMA ring alone in several stage geometries (tile_read.h);
 // --stream-trace [N K ...] the streaming kernel's per-block timeline (a BITDELTA_STREAM_TRACE build), also
@@ -255,7 +256,7 @@ constexpr auto kRegisters = bcuda::DecodeKernel::kRegisters, kStream = bcuda::De
 void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
                  bool profile_only = false, bool prefill_only = false, int prefill_rows = 512,
                  bool few_rows_only = false, bool one_row_only = false, bool many_only = false,
-                 bool trace_only = false) {
+                 bool trace_only = false, bool c_only = false) {
   // Signs: random bits in the packed device layout (for random bits the layout changes nothing).
   const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
   const int nsets = int(std::max<size_t>(2, (240u << 20) / wbytes + 1));  // > 4× L2 per rotation
@@ -630,10 +631,20 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                               {M::kFused, "fused GEMM 128x128 stream-K", 0, 0, {128, 128, FS::kStreamK}},
                               {M::kFused, "fused GEMM 128x256 stream-K", 0, 0, {128, 256, FS::kStreamK}},
                               {M::kFused, "fused GEMM 64x256 stream-K", 0, 0, {64, 256, FS::kStreamK}},
-                              {M::kFused, "fused GEMM, the engine's choice", 0, 0, {}}};
+                              {M::kFused, "fused GEMM, the engine's choice", 0, 0, {}},
+                              // The portable fused GEMM (mma.sync, W_eff formed in registers): what
+                              // kFused runs where the sm_90a kernel does not. K split as it chooses, or not.
+                              {M::kFusedMma, "portable fused GEMM 128 rows, 3 stages", 0, 0, {0, 0, FS::kStreamK, 128, 3}},
+                              {M::kFusedMma, "portable fused GEMM 128 rows, 4 stages", 0, 0, {0, 0, FS::kStreamK, 128, 4}},
+                              {M::kFusedMma, "portable fused GEMM 64 rows, 3 stages", 0, 0, {0, 0, FS::kStreamK, 64, 3}},
+                              {M::kFusedMma, "portable fused GEMM 64 rows, 4 stages", 0, 0, {0, 0, FS::kStreamK, 64, 4}},
+                              {M::kFusedMma, "portable fused GEMM 128 rows, 3 stages, K not split", 0, 0,
+                               {0, 0, FS::kStreamK, 128, 3, 1}}};
     for (const Config& c : configs) {
       if (c.chunk > N && c.chunk != 8192) continue;
       if (profile_only && c.method != M::kFused) continue;
+      // Where the sm_90a kernel does not run, kFused is the portable one: timed once, below.
+      if (c.method == M::kFused && !prefill.fused_available()) continue;
       // Each form alternates with cuBLAS call by call, and its ratio is to that cuBLAS time.
       prefill.set_fused_config(c.fused);
       const auto cublas = [&](int s) { cublas_rows(kPrefillRows, s); };
@@ -641,9 +652,9 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           cublas,
           [&](int s) { prefill.run(c.method, W(s), N, K, X, kPrefillRows, delta(s, 0), Y, c.chunk, c.expand_blocks); },
           preps);
-      if (c.method == M::kFused) {  // the same kernel on W alone: the cost of the ±α expansion
+      if (c.method == M::kFused || c.method == M::kFusedMma) {  // the same kernel on W alone: the cost of the ±α expansion
         const auto [tcb, tb] = time_pair_us(
-            cublas, [&](int s) { prefill.run(M::kFused, W(s), N, K, X, kPrefillRows, DeltaRef{}, Y); }, preps);
+            cublas, [&](int s) { prefill.run(c.method, W(s), N, K, X, kPrefillRows, DeltaRef{}, Y); }, preps);
         add({shape, c_rows + " base", std::string(c.name) + ", no delta", tb, double(wbytes), tcb, "x cuBLAS"});
       }
       add({shape, c_rows + " 1 variant",
@@ -660,7 +671,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // Few rows of one variant (a decode batch of one fine-tune): 32-row fused decode launches (each
   // reading W) against the fused GEMM (one read of W), next to cuBLAS on the base.
   {
-    if (!profile_only)
+    if (!profile_only && !c_only)
       for (int rows : {2, 4, 8, 12, 16, 17, 24, 32, 48}) {
         const std::string cs = "c': " + std::to_string(rows) + " rows 1 variant";
         const double tb = time_us([&](int s) { cublas_rows(rows, s); }, preps);
@@ -741,13 +752,21 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
               [&](int s) { prefill.run(M::kMaterialize, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
           add({shape, cs, "materialize + cuBLAS", tm, w_s_bytes, tb, "x cuBLAS"});
         }
-        const std::pair<const char*, FC> forms[] = {{"fused GEMM", {}},
-                                                    {"fused GEMM tile/block", {64, 64, FS::kTilePerBlock}},
-                                                    {"fused GEMM stream-K", {64, 64, FS::kStreamK}}};
-        for (const auto& [name, config] : forms) {
+        struct Form {
+          const char* name;
+          M method;
+          FC config;
+        };
+        const Form forms[] = {{"fused GEMM", M::kFused, {}},
+                              {"fused GEMM tile/block", M::kFused, {64, 64, FS::kTilePerBlock}},
+                              {"fused GEMM stream-K", M::kFused, {64, 64, FS::kStreamK}},
+                              {"portable fused GEMM", M::kFusedMma, {}},
+                              {"portable fused GEMM, K not split", M::kFusedMma, {0, 0, FS::kStreamK, 0, 0, 1}}};
+        for (const auto& [name, method, config] : forms) {
+          if (method == M::kFused && !prefill.fused_available()) continue;  // the portable one, timed below
           prefill.set_fused_config(config);
           const double tf = time_us(
-              [&](int s) { prefill.run(M::kFused, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
+              [&](int s) { prefill.run(method, W(s), N, K, X, rows, delta(s, 0), Y); }, preps);
           add({shape, cs, name, tf, w_s_bytes, tb, "x cuBLAS"});
         }
         prefill.set_fused_config({});
@@ -859,6 +878,17 @@ int main(int argc, char** argv) {
     if ((mode == "--one-row" || mode == "--many-variants") && argc > 3) {  // [N K ...]: those shapes
       shapes.clear();
       for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
+    }
+    int prefill_rows = 512;
+    if (mode == "--prefill-rows") {  // --prefill-rows R [N K ...]: case (c) with R rows instead of 512
+      if (argc < 3 || std::atoi(argv[2]) < 1) throw std::runtime_error("--prefill-rows takes a row count");
+      prefill_rows = std::atoi(argv[2]);
+      if (argc > 4) {
+        shapes.clear();
+        for (int i = 3; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
+      }
+      for (auto [N, K] : shapes) bench_shape(rnd, prefill, N, K, false, true, prefill_rows, false, false, false, false, true);
+      return 0;
     }
     if (mode == "--prefill" && argc > 3) {  // --prefill N K [N K ...]: case (c) at these shapes instead
       shapes.clear();

@@ -19,6 +19,7 @@
 #include "bitdelta/error.h"
 #include "bitdelta/model.h"
 #include "cuda_check.cuh"
+#include "fused_gemm_mma.cuh"
 #include "fused_linear_decode.cuh"
 #include "fused_linear_prefill.cuh"
 #include "fused_linear_stream.cuh"
@@ -45,10 +46,11 @@ constexpr size_t kDecodeRows = 32;          // rows per fused decode call (its l
 // (each of which reads the weight again): for the base alone cuBLAS wins from 17 rows; with a delta
 // the fused GEMM (sm_90a: W_eff formed in registers, W read once) wins from 17 rows too — at 17, 32
 // and 48 rows it took 0.20–0.60× the time of the 16-row decode launches on all five layer shapes
-// (bench/RESULTS.md, case c'). Where the fused GEMM does not run, the GEMM needs W_eff materialized
-// (≈ 3× the weight's bytes), which wins from about 48 rows (7B-shaped decode at batch 32 of one
-// variant: 16.1 ms through two fused launches per linear, 18.2 ms through W_eff + GEMM with kernel
-// v6; bench/cuda/NOTES.md).
+// (bench/RESULTS.md, case c'). Where the sm_90a GEMM does not run, a variant's rows take a GEMM from
+// 48: kFused, which there is the portable fused GEMM up to 128 rows and W_eff materialized (≈ 3× the
+// weight's bytes) past them. The 48 was measured with materialize, which won from about there
+// (7B-shaped decode at batch 32 of one variant: 16.1 ms through two fused launches per linear, 18.2
+// ms through W_eff + GEMM with kernel v6; bench/cuda/NOTES.md).
 // Where a variant's rows (or the base's) are all the rows of a weight (nothing to share a decode
 // launch's read of W with), a GEMM wins sooner. A variant: from 8 rows, where the fused GEMM took
 // 0.81–1.00× the time of one fused decode launch at 8, 12 and 16 rows on all five shapes (run 100,
@@ -67,10 +69,17 @@ constexpr size_t kGemmRowsBaseAlone = 12, kGemmRowsFusedAlone = 8;
 // the same 2 rows (one launch, W read once): at 2 rows it took 11-22% less time than the register
 // kernel's combined form at all five benchmark shapes (run 280, NOTES.md part 30).
 constexpr size_t kWeffRows = 2;
-size_t gemm_rows(bool with_delta, bool fused, bool alone, bool streams) {
+// There, past those 32 rows a variant alone goes to PrefillLinear's kFused: the portable fused GEMM
+// (fused_gemm_mma.cuh) up to kPortableFusedRows rows, materialize past them. At 32 rows the portable
+// GEMM took 0.44–0.74× the time of what ran past 32 rows before (cuBLAS on the base, then the
+// delta-only launches), and at 48 rows 0.40–0.99× materialize's (run 287, the five layer shapes; the
+// 7B-shaped step at batch 48 of one variant on the compute_80 build: 10.17 ms against 16.67).
+// `portable`: it takes every linear's K. In mixed steps a variant's rows still take a GEMM from 48.
+size_t gemm_rows(bool with_delta, bool fused, bool alone, bool streams, bool portable) {
   if (streams && !with_delta) return kDecodeRows + 1;
   if (alone && !with_delta) return kGemmRowsBaseAlone;
   if (alone && fused) return kGemmRowsFusedAlone;
+  if (alone && portable) return kDecodeRows + 1;
   return !with_delta ? kGemmRowsBase : fused ? kGemmRowsFused : kGemmRowsMaterialize;
 }
 constexpr size_t kPrefillScratch = size_t(16) << 20;  // W_eff chunk elements (×2 buffers, bf16)
@@ -375,6 +384,8 @@ struct DeviceModel::Impl {
   // Whether the streaming kernel takes every linear's K on this device (the device buffers are 256-byte
   // aligned, so its operands fit): decided once here rather than queried per linear call.
   bool streams = false;
+  // Where the sm_90a GEMM does not run: whether the portable fused GEMM takes every linear's K.
+  bool portable_gemm = false;
   mutable HostTier host_tier;
   std::string name;
 
@@ -558,7 +569,7 @@ struct DeviceModel::Impl {
         a = e;
         continue;
       }
-      if (e - a >= gemm_rows(lin[a]->delta.signs, prefill->fused_available(), alone, streams)) {
+      if (e - a >= gemm_rows(lin[a]->delta.signs, prefill->fused_available(), alone, streams, portable_gemm)) {
         const auto method = lin[a]->delta.signs ? PrefillMethod::kFused : PrefillMethod::kBaseOnly;
         prefill->run(method, lin[a]->w, N, K, xin + a * size_t(K), int(e - a), lin[a]->delta, y + a * size_t(N));
         a = e;
@@ -568,7 +579,7 @@ struct DeviceModel::Impl {
       size_t b = a;
       while (b < R && b - a < kDecodeRows && same_weight(b)) {
         const size_t re = run_end(b);
-        if (re - b >= gemm_rows(lin[b]->delta.signs, prefill->fused_available(), false, streams)) break;
+        if (re - b >= gemm_rows(lin[b]->delta.signs, prefill->fused_available(), false, streams, portable_gemm)) break;
         b = std::min(re, a + kDecodeRows);
       }
       deltas.clear();
@@ -620,8 +631,11 @@ DeviceModel::DeviceModel(const ModelConfig& config, const VariantWeights& base, 
   {
     const auto* aligned = reinterpret_cast<const bf16*>(uintptr_t(kAlign));  // not dereferenced
     m.streams = true;
-    for (const uint64_t K : {config.hidden, config.intermediate, uint64_t(config.heads) * config.head_dim})
+    m.portable_gemm = !m.prefill->fused_available();
+    for (const uint64_t K : {config.hidden, config.intermediate, uint64_t(config.heads) * config.head_dim}) {
       m.streams = m.streams && stream_kernel_supports(aligned, int(K), aligned);
+      m.portable_gemm = m.portable_gemm && mma_gemm_supported(aligned, int(K), aligned, DeltaRef{});
+    }
   }
   m.inv_freq = static_cast<float*>(device_alloc(inv_freq.size_bytes(), m.ctx->stream, "rotary frequencies"));
   BITDELTA_CUDA_CHECK(
@@ -769,7 +783,7 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   auto key = [&](size_t r) {
     const size_t v = size_t(in[r].variant);
     const bool alone = count[v] == R;
-    return std::pair<int, size_t>(count[v] >= gemm_rows(v != 0, m.prefill->fused_available(), alone, m.streams) ? 0 : 1, v);
+    return std::pair<int, size_t>(count[v] >= gemm_rows(v != 0, m.prefill->fused_available(), alone, m.streams, m.portable_gemm) ? 0 : 1, v);
   };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
 

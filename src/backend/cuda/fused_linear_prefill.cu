@@ -5,6 +5,7 @@
 
 #include "code_arch.h"
 #include "cuda_check.cuh"
+#include "fused_gemm_mma.cuh"
 #include "fused_linear_decode.cuh"
 #include "stream_scratch.cuh"
 #include "tma.cuh"
@@ -510,14 +511,15 @@ PrefillLinear::PrefillLinear(cudaStream_t stream, size_t scratch_elems)
   BITDELTA_CUBLAS_CHECK(cublasCreate(&handle_));
   BITDELTA_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
   BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&helper_, cudaStreamNonBlocking));
-  // The fused GEMM is built for sm_90a only (wgmma): where that code does not run (code_arch.h), kFused
-  // takes the materialize path.
+  // The wgmma fused GEMM is built for sm_90a only: where that code does not run (code_arch.h), kFused
+  // takes the portable one.
   int device = 0;
   cudaDeviceProp prop{};
   BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
   BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   fused_arch_ = sm90a_kernels_run() && tensor_map_encoder() != nullptr;
   sms_ = prop.multiProcessorCount;
+  smem_optin_ = mma_gemm_prepare();
   if (fused_arch_) {
     const auto allow = [](const void* kernel, int bytes) {
       BITDELTA_CUDA_CHECK(
@@ -670,15 +672,31 @@ void PrefillLinear::fused_gemm(const __nv_bfloat16* w, int N, int K, const __nv_
     fail("cuda::PrefillLinear: no fused tile of ", c.bm, " x ", c.bn);
 }
 
+void PrefillLinear::fused_gemm_mma(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
+                                   const DeltaRef& delta, float* y) {
+  MmaGemmConfig c = mma_gemm_choose(N, K, rows, smem_optin_, sms_);
+  if (fused_config_.mma_bn) c.bn = fused_config_.mma_bn;
+  if (fused_config_.mma_stages) c.stages = fused_config_.mma_stages;
+  if (fused_config_.mma_k_split) c.k_split = std::min(fused_config_.mma_k_split, K / 64);  // at most K/64
+  if (mma_gemm_smem(c) > smem_optin_)
+    fail("cuda::PrefillLinear: the portable fused GEMM's tile of ", c.bn, " rows in ", c.stages, " stages takes ",
+         mma_gemm_smem(c), " bytes of shared memory; this GPU allows a block ", smem_optin_);
+  mma_gemm(w, N, K, x, rows, delta, y, stream_, c);
+}
+
 void PrefillLinear::run(PrefillMethod method, const __nv_bfloat16* w, int N, int K,
                         const __nv_bfloat16* x, int rows, const DeltaRef& delta, float* y,
                         int chunk_rows, int expand_blocks) {
   if (N < 1 || K < 1 || rows < 1) fail("cuda::PrefillLinear: empty shape");
-  if (method == PrefillMethod::kFused) {
-    // Without a delta: the fused kernel on W alone (for measurement). Where it does not run (another
-    // GPU, or operands it does not take): materialize, or cuBLAS without a delta.
-    if (fused_gemm_supported(w, K, x) && (reinterpret_cast<uintptr_t>(delta.signs) & 15) == 0)
+  if (method == PrefillMethod::kFused || method == PrefillMethod::kFusedMma) {
+    // Without a delta: the fused kernel on W alone (for measurement). The sm_90a kernel where it runs
+    // and takes the operands, else the portable one; where neither takes them: materialize, or
+    // cuBLAS without a delta.
+    if (method == PrefillMethod::kFused && fused_gemm_supported(w, K, x) &&
+        (reinterpret_cast<uintptr_t>(delta.signs) & 15) == 0)
       return fused_gemm(w, N, K, x, rows, delta, y);
+    if ((method == PrefillMethod::kFusedMma || rows <= kPortableFusedRows) && mma_gemm_supported(w, K, x, delta))
+      return fused_gemm_mma(w, N, K, x, rows, delta, y);
     method = PrefillMethod::kMaterialize;
   }
   if (method == PrefillMethod::kBaseOnly || !delta.signs) return gemm(w, N, K, x, rows, y, N, 0.0f);
@@ -721,6 +739,7 @@ void PrefillLinear::run(PrefillMethod method, const __nv_bfloat16* w, int N, int
     }
     case PrefillMethod::kBaseOnly:
     case PrefillMethod::kFused:
+    case PrefillMethod::kFusedMma:
       break;
   }
 }

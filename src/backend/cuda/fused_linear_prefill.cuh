@@ -10,9 +10,14 @@
 //   kFused        one kernel (sm_90a, wgmma): W_eff = W + α⊙S formed in registers per tile on its
 //                 way to the tensor cores, never in memory; W_eff rounded to bf16 as bf16(w ± bf16(α)).
 //                 The engine's method. Needs K a multiple of 64 (at least 128) and 16-byte
-//                 aligned W, x and signs; otherwise, or on another GPU, it runs kMaterialize.
+//                 aligned W, x and signs. On other GPUs it runs kFusedMma up to
+//                 kPortableFusedRows rows of x, kMaterialize past them (and where neither fused
+//                 kernel takes the operands).
 //                 Without a delta it runs the same kernel on W alone (the benchmark's measure of the expansion's
 //                 cost).
+//   kFusedMma     the portable fused GEMM (fused_gemm_mma.cuh: mma.sync, W_eff formed in shared memory;
+//                 any GPU of compute capability 8.0 or later), on any GPU; K a multiple of 64 and
+//                 16-byte aligned W, x and signs, else kMaterialize.
 // Signs are in the packed device layout (packed_signs.h). W_eff is rounded to bf16 (≤ 2⁻⁹ relative
 // per weight).
 #pragma once
@@ -27,7 +32,18 @@
 
 namespace bitdelta::cuda {
 
-enum class PrefillMethod { kBaseOnly, kTwoGemms, kMaterialize, kPipelined, kFused };
+enum class PrefillMethod { kBaseOnly, kTwoGemms, kMaterialize, kPipelined, kFused, kFusedMma };
+
+// Where the sm_90a GEMM does not run, kFused takes the portable one up to this many rows of x and
+// materializes W_eff past them. Chosen by the 7B shape's TTFT per variant on the compute_80 build
+// (run 288, the H200): with the portable GEMM for every row count against up to 64 rows,
+// 100-token prompts 14.0 against 17.1 ms, 200-token 20.4 against 20.2, 512-token 31.5 against 27.7.
+// Per linear (runs 287-288, the five benchmark shapes and the engine's q|k|v and gate|up), against
+// materialize's best chunk: 0.40–1.09× its time up to 64 rows, 0.78–1.70× at 96 and 128, 1.3–2.1×
+// from 192, where cuBLAS on W_eff runs at 400–790 TF/s and the portable GEMM's mma.sync at well
+// under half of that. (The engine materializes in chunks of 16 Mi elements, more launches than the
+// benchmark's best chunk.)
+constexpr int kPortableFusedRows = 128;
 
 // How the fused GEMM spreads its tiles over thread blocks:
 //   kTilePerBlock  one block per tile (a last, partial wave leaves multiprocessors idle)
@@ -68,13 +84,15 @@ class PrefillLinear {
   // waves, and 176's whole tiles waste less than 10% and less than 256's), else 64 × 256; whole
   // tiles on persistent blocks where the tiles make whole waves (the last at least 90% full), else
   // stream-K.
+  // mma_bn, mma_stages, mma_k_split: the portable kernel's (MmaGemmConfig); 0: chosen by the shape.
   struct FusedConfig {
     int bm = 0, bn = 0;
     FusedSplit split = FusedSplit::kStreamK;
+    int mma_bn = 0, mma_stages = 0, mma_k_split = 0;
   };
   void set_fused_config(FusedConfig c) { fused_config_ = c; }
-  // Whether this device runs the fused kernel (sm_90a), and whether it does for these operands
-  // (else kFused runs kMaterialize).
+  // Whether this device runs the sm_90a fused kernel, and whether it does for these operands (else
+  // kFused runs the portable one, or kMaterialize where that does not take them either).
   bool fused_available() const { return fused_arch_; }
   bool fused_gemm_supported(const __nv_bfloat16* w, int K, const __nv_bfloat16* x) const;
 
@@ -83,12 +101,15 @@ class PrefillLinear {
             float* y, int ldy, float beta);
   void fused_gemm(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
                   const DeltaRef& delta, float* y);
+  void fused_gemm_mma(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
+                      const DeltaRef& delta, float* y);
 
   cudaStream_t stream_;
   cudaStream_t helper_ = nullptr;
   bool fused_arch_ = false;  // the device runs the sm_90a fused GEMM
   FusedConfig fused_config_;
   int sms_ = 0;
+  int smem_optin_ = 0;  // shared memory a block may take on this device (the portable kernel's tiles)
   cublasHandle_t handle_ = nullptr;
   size_t scratch_elems_;
   __nv_bfloat16* scratch_[2] = {nullptr, nullptr};

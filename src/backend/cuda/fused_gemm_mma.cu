@@ -1,0 +1,322 @@
+#include "fused_gemm_mma.cuh"
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda_check.cuh"
+#include "packed_signs.h"
+#include "stream_scratch.cuh"
+#include "weff.cuh"
+
+namespace bitdelta::cuda {
+namespace {
+
+constexpr int kBM = 128;  // output rows (rows of W) per tile
+constexpr int kBK = 64;   // columns per stage: 128 bytes of a bf16 row, 8 chunks of 16 bytes
+// 8 warps: 4 along W's rows × 2 along x's, 32 × BN/2 each (4 warps of 64 × BN/2 took the same time
+// for 512 rows of x and up to 1.3× as long for 17–48: run 286).
+constexpr int kMI = 2;  // m16 tiles of W's rows per warp
+constexpr int kThreads = 256;
+
+// A tile of 128 rows of W × BN rows of x; per stage, in its ring slot:
+//   W   [128 rows][8 chunks of 16 B], chunk c of row r at c ^ (r & 7) (ldmatrix reads 8 rows of one
+//       logical chunk: the XOR spreads them over all banks)
+//   x   [BN rows][8 chunks], the same swizzle
+//   signs [8 row groups][8 g][2 t'][4 words]: for each row group, lane 4g + t of the packed layout
+//       (packed_signs.h) with t = 2·(stage's 64-column quarter & 1) + t', its four words whole
+//       (the stage needs two of them; 16-byte copies)
+template <int BN, int S>
+struct MmaTile {
+  static constexpr int kWBytes = kBM * kBK * 2, kXBytes = BN * kBK * 2;
+  static constexpr int kSignBytes = kBM / 16 * 8 * 2 * 16;
+  static constexpr int kStageBytes = kWBytes + kXBytes + kSignBytes;
+  static constexpr int kSmem = S * kStageBytes;
+  static constexpr int WN = BN / 2;  // rows of x per warp
+  static_assert(S >= 3, "two stages or more in flight ahead of the one on the tensor cores");
+};
+
+// (tma.cuh's smem_addr exists only in the sm_90a code.)
+__device__ __forceinline__ uint32_t shared_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// 16 bytes global → shared, zero-filled where !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// d += a · b: m16n8k16, bf16 operands, f32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D = W_eff · xᵀ per tile (W the A operand, x the B operand: both K-contiguous, as mma's row.col
+// wants), stored transposed into y[rows][N]. Split along K over gridDim.y blocks where the tiles
+// alone would leave multiprocessors idle (few rows of x): each writes its sums to `parts`, and the
+// last of a tile's blocks to arrive adds them in split order (the same floats whichever is last) and
+// writes y.
+template <int BN, int S, bool Delta>
+__global__ void __launch_bounds__(kThreads, 2)
+    mma_gemm_kernel(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x,
+                    const uint32_t* __restrict__ signs, const float* __restrict__ alpha, int per_row,
+                    float* __restrict__ y, int N, int K, int M, float* __restrict__ parts,
+                    unsigned* __restrict__ arrived) {
+  using T = MmaTile<BN, S>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int last_flag;
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int MT = (M + BN - 1) / BN, tile = int(blockIdx.x), splits = int(gridDim.y), z = int(blockIdx.y);
+  // The tiles of x's rows for one W tile are neighbouring blocks: W comes from memory once, x's rows
+  // stay in L2.
+  const int n0 = tile / MT * kBM, m0 = tile % MT * BN;
+  const int KT = K / kBK, kt0 = KT * z / splits, kt1 = KT * (z + 1) / splits, KB = sign_blocks(K);
+  const int row_groups = (N + 15) / 16;
+  const uint32_t ring = shared_addr(smem);
+
+  const auto load_stage = [&](int kt) {
+    const uint32_t wt = ring + (kt % S) * T::kStageBytes, xt = wt + T::kWBytes, st = xt + T::kXBytes;
+    const int k0 = kt * kBK;
+#pragma unroll
+    for (int i = 0; i < kBM * 8 / kThreads; ++i) {
+      const int c = tid + kThreads * i, r = c >> 3, ch = c & 7, n = n0 + r;
+      cp_async16(wt + r * 128 + ((ch ^ (r & 7)) << 4), w + size_t(n < N ? n : 0) * K + k0 + ch * 8, n < N);
+    }
+#pragma unroll
+    for (int i = 0; i < BN * 8 / kThreads; ++i) {
+      const int c = tid + kThreads * i, r = c >> 3, ch = c & 7, m = m0 + r;
+      cp_async16(xt + r * 128 + ((ch ^ (r & 7)) << 4), x + size_t(m < M ? m : 0) * K + k0 + ch * 8, m < M);
+    }
+    if (Delta && tid < kBM) {  // chunk tid = (rg · 8 + g) · 2 + t'
+      const int rg = n0 / 16 + (tid >> 4), cg = (tid >> 1) & 7, tp = tid & 1, quarter = (k0 & 255) >> 6;
+      const bool ok = rg < row_groups;
+      cp_async16(st + tid * 16,
+                 signs + ((size_t(ok ? rg : 0) * KB + (k0 >> 8)) * 32 + 4 * cg + 2 * (quarter & 1) + tp) * 4, ok);
+    }
+  };
+
+  // This warp's part: W rows wr .. wr + 16·kMI − 1 (kMI m16 tiles, row groups wr/16 + mi), x rows
+  // wc .. wc + WN − 1 (WN/8 n8 tiles).
+  const int wr = 16 * kMI * (warp & 3), wc = T::WN * (warp >> 2);
+  // −α of rows g and g + 8 of each m16 tile, as bf16 pairs; a sign bit of 1 flips it to +α.
+  [[maybe_unused]] uint32_t na[kMI][2] = {};
+  if constexpr (Delta)
+#pragma unroll
+    for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int n = min(n0 + wr + 16 * mi + g + 8 * h, N - 1);
+        na[mi][h] = neg_alpha_pair(alpha[per_row ? n : 0]);
+      }
+  const int sh0 = 15 - 2 * t;  // delta_pair's shift of this lane's first pair (bits 2t, 16 + 2t)
+  // ldmatrix.x4 sources: for A, matrix q = lane / 8 is rows +8·(q & 1), columns +8·(q >> 1); for B
+  // (two n8 tiles), rows +8·(q >> 1), columns +8·(q & 1). Row lane % 8 of each, so the swizzle's
+  // XOR is lane & 7 for every row.
+  const int sw = lane & 7;
+  const uint32_t a_row = uint32_t(wr + sw + 8 * ((lane >> 3) & 1)) * 128, a_hi = lane >> 4;
+  const uint32_t b_row = uint32_t(wc + sw + 8 * (lane >> 4)) * 128, b_hi = (lane >> 3) & 1;
+  float acc[kMI][T::WN / 8][4] = {};
+  const auto compute = [&](int kt) {
+    const uint32_t wt = ring + (kt % S) * T::kStageBytes, xt = wt + T::kWBytes, st = xt + T::kXBytes;
+    // The signs of this lane's rows g and g + 8 of each m16 tile: words (t', i) of the chunk
+    // (row group, g), i = 2·(quarter >> 1) for row g and + 1 for row g + 8, t' = 0 for the stage's
+    // columns 0..31 and 1 for 32..63; bit c is column c. Per 16 columns of a word (z: its low or high
+    // two bytes, then those of the word shifted right by one) each column's right neighbour sits 16
+    // bits above it: a lane's pair (2t, 2t + 1) is then at bits 2t and 16 + 2t, (2t + 8, 2t + 9) at
+    // 8 + 2t and 24 + 2t (delta_pair's shifts sh0 and sh0 − 8).
+    [[maybe_unused]] const uint32_t sp0 = st + ((wr >> 4) * 8 + g) * 32 + 8 * ((((kt * kBK) & 255) >> 6) >> 1);
+#pragma unroll
+    for (int tp = 0; tp < 2; ++tp) {  // columns 32·t' .. 32·t' + 31 of the stage: sign word t'
+      [[maybe_unused]] uint32_t words[kMI][2];  // rows g and g + 8 of each m16 tile
+      if constexpr (Delta)
+#pragma unroll
+        for (int mi = 0; mi < kMI; ++mi)
+          asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                       : "=r"(words[mi][0]), "=r"(words[mi][1])
+                       : "r"(sp0 + mi * 8 * 32 + 16 * tp)
+                       : "memory");
+#pragma unroll
+      for (int hj = 0; hj < 2; ++hj) {
+        const int j = 2 * tp + hj;  // columns 16j .. 16j + 15: half hj of the words
+        uint32_t a[kMI][4], b[T::WN / 8][2];
+#pragma unroll
+        for (int mi = 0; mi < kMI; ++mi) {
+          ldmatrix_x4(a[mi], wt + a_row + mi * 16 * 128 + (((2 * j + a_hi) ^ sw) << 4));
+          if constexpr (Delta) {
+            const uint32_t half = hj ? 0x7632 : 0x5410, w0 = words[mi][0], w8 = words[mi][1];
+            const uint32_t z0 = __byte_perm(w0, w0 >> 1, half), z8 = __byte_perm(w8, w8 >> 1, half);
+            a[mi][0] = bf16x2_add(a[mi][0], delta_pair(z0, sh0, na[mi][0]));
+            a[mi][1] = bf16x2_add(a[mi][1], delta_pair(z8, sh0, na[mi][1]));
+            a[mi][2] = bf16x2_add(a[mi][2], delta_pair(z0, sh0 - 8, na[mi][0]));
+            a[mi][3] = bf16x2_add(a[mi][3], delta_pair(z8, sh0 - 8, na[mi][1]));
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < T::WN / 16; ++np) {
+          uint32_t r[4];
+          ldmatrix_x4(r, xt + b_row + np * 16 * 128 + (((2 * j + b_hi) ^ sw) << 4));
+          b[2 * np][0] = r[0], b[2 * np][1] = r[1], b[2 * np + 1][0] = r[2], b[2 * np + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < T::WN / 8; ++ni) mma_bf16(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
+      }
+    }
+  };
+
+  // The ring: S − 1 stages in flight ahead of the one on the tensor cores. One barrier per stage:
+  // after it, every thread's copies of stage kt have landed and every warp is done with stage
+  // kt − 1, whose slot then takes stage kt + S − 1. Every iteration commits a group, empty or not,
+  // so that the wait's count holds.
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (kt0 + s < kt1) load_stage(kt0 + s);
+    cp_async_commit();
+  }
+  for (int kt = kt0; kt < kt1; ++kt) {
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    if (kt + S - 1 < kt1) load_stage(kt + S - 1);
+    cp_async_commit();
+    compute(kt);
+  }
+
+  constexpr int kAcc = kMI * (T::WN / 8) * 4;
+  if (splits > 1) {
+    // This block's sums, [accumulator][thread] (coalesced), then the tile's merge.
+    float* part = parts + (size_t(tile) * splits + z) * kAcc * kThreads + tid;
+#pragma unroll
+    for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < T::WN / 8; ++ni)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) part[((mi * (T::WN / 8) + ni) * 4 + c) * kThreads] = acc[mi][ni][c];
+    if (!last_to_arrive(arrived + tile, unsigned(splits), last_flag, [] { __syncthreads(); })) return;
+    const float* tile_parts = parts + size_t(tile) * splits * kAcc * kThreads + tid;
+#pragma unroll
+    for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < T::WN / 8; ++ni)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int i = ((mi * (T::WN / 8) + ni) * 4 + c) * kThreads;
+          float sum = tile_parts[i];
+          for (int q = 1; q < splits; ++q) sum += tile_parts[size_t(q) * kAcc * kThreads + i];
+          acc[mi][ni][c] = sum;
+        }
+  }
+  // Accumulator (mi, ni): rows g and g + 8 of W's m16 tile, columns 2t, 2t + 1 of x's n8 tile.
+#pragma unroll
+  for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < T::WN / 8; ++ni)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int n = n0 + wr + 16 * mi + g + 8 * h;
+        if (n >= N) continue;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int m = m0 + wc + 8 * ni + 2 * t + c;
+          if (m < M) y[size_t(m) * N + n] = acc[mi][ni][2 * h + c];
+        }
+      }
+}
+
+template <int BN, int S, bool Delta>
+const void* kernel_of() {
+  return reinterpret_cast<const void*>(mma_gemm_kernel<BN, S, Delta>);
+}
+
+template <int BN, int S>
+void launch(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows, const DeltaRef& delta, float* y,
+            cudaStream_t stream, int splits) {
+  const int tiles = (N + kBM - 1) / kBM * ((rows + BN - 1) / BN);
+  float* parts = nullptr;
+  unsigned* arrived = nullptr;
+  if (splits > 1) {
+    parts = static_cast<float*>(stream_scratch(ScratchUse::kPrefillParts, stream,
+                                               size_t(tiles) * splits * kBM * BN * sizeof(float)));
+    arrived = static_cast<unsigned*>(
+        stream_scratch(ScratchUse::kPrefillCounters, stream, size_t(tiles) * sizeof(unsigned), true));
+  }
+  const dim3 grid{unsigned(tiles), unsigned(splits)};
+  const auto* s = reinterpret_cast<const uint32_t*>(delta.signs);
+  const int per_row = delta.alpha_per_row ? 1 : 0;
+  if (delta.signs)
+    mma_gemm_kernel<BN, S, true><<<grid, kThreads, MmaTile<BN, S>::kSmem, stream>>>(w, x, s, delta.alpha, per_row, y,
+                                                                                    N, K, rows, parts, arrived);
+  else
+    mma_gemm_kernel<BN, S, false><<<grid, kThreads, MmaTile<BN, S>::kSmem, stream>>>(w, x, nullptr, nullptr, 0, y, N,
+                                                                                     K, rows, parts, arrived);
+  BITDELTA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool mma_gemm_supported(const __nv_bfloat16* w, int K, const __nv_bfloat16* x, const DeltaRef& delta) {
+  const auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  return K % kBK == 0 && K > 0 && aligned(w) && aligned(x) && aligned(delta.signs);
+}
+
+int mma_gemm_prepare() {
+  int device = 0, optin = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&device));
+  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const auto allow = [&](const void* with_delta, const void* base_only, int bytes) {
+    if (bytes > optin) return;
+    BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(with_delta, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    BITDELTA_CUDA_CHECK(cudaFuncSetAttribute(base_only, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  };
+  allow(kernel_of<64, 3, true>(), kernel_of<64, 3, false>(), MmaTile<64, 3>::kSmem);
+  allow(kernel_of<64, 4, true>(), kernel_of<64, 4, false>(), MmaTile<64, 4>::kSmem);
+  allow(kernel_of<128, 3, true>(), kernel_of<128, 3, false>(), MmaTile<128, 3>::kSmem);
+  allow(kernel_of<128, 4, true>(), kernel_of<128, 4, false>(), MmaTile<128, 4>::kSmem);
+  return optin;
+}
+
+int mma_gemm_smem(MmaGemmConfig c) {
+  return c.bn == 64 ? (c.stages == 3 ? MmaTile<64, 3>::kSmem : MmaTile<64, 4>::kSmem)
+                    : (c.stages == 3 ? MmaTile<128, 3>::kSmem : MmaTile<128, 4>::kSmem);
+}
+
+MmaGemmConfig mma_gemm_choose(int N, int K, int rows, int smem_optin, int sms) {
+  MmaGemmConfig c{rows <= 64 ? 64 : 128, 3, 1};
+  if (mma_gemm_smem(c) > smem_optin) c.bn = 64;
+  // Split along K where the tiles leave more than half the multiprocessors without a block, to a
+  // block per multiprocessor, keeping at least 4 stages (256 columns) per block.
+  const int tiles = (N + kBM - 1) / kBM * ((rows + c.bn - 1) / c.bn);
+  c.k_split = 2 * tiles >= sms ? 1 : std::max(1, std::min({(sms + tiles - 1) / tiles, K / kBK / 4, 16}));
+  return c;
+}
+
+void mma_gemm(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows, const DeltaRef& delta,
+              float* y, cudaStream_t stream, MmaGemmConfig c) {
+  if (!mma_gemm_supported(w, K, x, delta))
+    fail("cuda::mma_gemm: needs K a multiple of 64 and 16-byte aligned W, x and signs (K = ", K, ")");
+  if (N < 1 || rows < 1) fail("cuda::mma_gemm: empty shape");
+  if ((c.bn != 64 && c.bn != 128) || (c.stages != 3 && c.stages != 4))
+    fail("cuda::mma_gemm: no tile of ", c.bn, " rows of x with ", c.stages, " stages (64 or 128; 3 or 4)");
+  if (c.k_split < 1 || c.k_split > K / kBK)
+    fail("cuda::mma_gemm: K = ", K, " is ", K / kBK, " stages of 64 columns, not split ", c.k_split, " ways");
+  if (c.bn == 64 && c.stages == 3) return launch<64, 3>(w, N, K, x, rows, delta, y, stream, c.k_split);
+  if (c.bn == 64 && c.stages == 4) return launch<64, 4>(w, N, K, x, rows, delta, y, stream, c.k_split);
+  if (c.bn == 128 && c.stages == 3) return launch<128, 3>(w, N, K, x, rows, delta, y, stream, c.k_split);
+  launch<128, 4>(w, N, K, x, rows, delta, y, stream, c.k_split);
+}
+
+}  // namespace bitdelta::cuda
