@@ -75,6 +75,7 @@ constexpr size_t kWeffRows = 2;
 // delta-only launches), and at 48 rows 0.40–0.99× materialize's (run 287, the five layer shapes; the
 // 7B-shaped step at batch 48 of one variant on the compute_80 build: 10.17 ms against 16.67).
 // `portable`: it takes every linear's K. In mixed steps a variant's rows still take a GEMM from 48.
+// (DeviceModel::Impl::gemm_rows passes the device's answers.)
 size_t gemm_rows(bool with_delta, bool fused, bool alone, bool streams, bool portable) {
   if (streams && !with_delta) return kDecodeRows + 1;
   if (alone && !with_delta) return kGemmRowsBaseAlone;
@@ -386,6 +387,10 @@ struct DeviceModel::Impl {
   bool streams = false;
   // Where the sm_90a GEMM does not run: whether the portable fused GEMM takes every linear's K.
   bool portable_gemm = false;
+  // Rows of one weight (and delta) from which a GEMM takes them, on this device.
+  size_t gemm_rows(bool with_delta, bool alone) const {
+    return cuda::gemm_rows(with_delta, prefill->fused_available(), alone, streams, portable_gemm);
+  }
   mutable HostTier host_tier;
   std::string name;
 
@@ -569,7 +574,7 @@ struct DeviceModel::Impl {
         a = e;
         continue;
       }
-      if (e - a >= gemm_rows(lin[a]->delta.signs, prefill->fused_available(), alone, streams, portable_gemm)) {
+      if (e - a >= gemm_rows(lin[a]->delta.signs, alone)) {
         const auto method = lin[a]->delta.signs ? PrefillMethod::kFused : PrefillMethod::kBaseOnly;
         prefill->run(method, lin[a]->w, N, K, xin + a * size_t(K), int(e - a), lin[a]->delta, y + a * size_t(N));
         a = e;
@@ -579,7 +584,7 @@ struct DeviceModel::Impl {
       size_t b = a;
       while (b < R && b - a < kDecodeRows && same_weight(b)) {
         const size_t re = run_end(b);
-        if (re - b >= gemm_rows(lin[b]->delta.signs, prefill->fused_available(), false, streams, portable_gemm)) break;
+        if (re - b >= gemm_rows(lin[b]->delta.signs, false)) break;
         b = std::min(re, a + kDecodeRows);
       }
       deltas.clear();
@@ -783,7 +788,7 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   auto key = [&](size_t r) {
     const size_t v = size_t(in[r].variant);
     const bool alone = count[v] == R;
-    return std::pair<int, size_t>(count[v] >= gemm_rows(v != 0, m.prefill->fused_available(), alone, m.streams, m.portable_gemm) ? 0 : 1, v);
+    return std::pair<int, size_t>(count[v] >= m.gemm_rows(v != 0, alone) ? 0 : 1, v);
   };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
 

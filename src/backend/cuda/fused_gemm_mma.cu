@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "cuda_check.cuh"
+#include "mma.cuh"
 #include "packed_signs.h"
 #include "stream_scratch.cuh"
 #include "weff.cuh"
@@ -35,9 +36,6 @@ struct MmaTile {
   static_assert(S >= 3, "two stages or more in flight ahead of the one on the tensor cores");
 };
 
-// (tma.cuh's smem_addr exists only in the sm_90a code.)
-__device__ __forceinline__ uint32_t shared_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
 // 16 bytes global → shared, zero-filled where !valid (src is then not read).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
@@ -54,15 +52,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr)
                : "memory");
-}
-
-// d += a · b: m16n8k16, bf16 operands, f32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // D = W_eff · xᵀ per tile (W the A operand, x the B operand: both K-contiguous, as mma's row.col
@@ -86,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int n0 = tile / MT * kBM, m0 = tile % MT * BN;
   const int KT = K / kBK, kt0 = KT * z / splits, kt1 = KT * (z + 1) / splits, KB = sign_blocks(K);
   const int row_groups = (N + 15) / 16;
-  const uint32_t ring = shared_addr(smem);
+  const uint32_t ring = smem_addr(smem);
 
   const auto load_stage = [&](int kt) {
     const uint32_t wt = ring + (kt % S) * T::kStageBytes, xt = wt + T::kWBytes, st = xt + T::kXBytes;
@@ -174,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
-          for (int ni = 0; ni < T::WN / 8; ++ni) mma_bf16(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
+          for (int ni = 0; ni < T::WN / 8; ++ni) mma_bf16(acc[mi][ni], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b[ni][0], b[ni][1]);
       }
     }
   };
@@ -196,29 +185,22 @@ __global__ void __launch_bounds__(kThreads, 2)
     compute(kt);
   }
 
-  constexpr int kAcc = kMI * (T::WN / 8) * 4;
   if (splits > 1) {
-    // This block's sums, [accumulator][thread] (coalesced), then the tile's merge.
+    // This block's sums, [accumulator][thread] (coalesced), then the tile's merge; the accumulators
+    // in their array order (the same in every block of the tile).
+    constexpr int kAcc = kMI * (T::WN / 8) * 4;
+    float* sums = &acc[0][0][0];
     float* part = parts + (size_t(tile) * splits + z) * kAcc * kThreads + tid;
 #pragma unroll
-    for (int mi = 0; mi < kMI; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < T::WN / 8; ++ni)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) part[((mi * (T::WN / 8) + ni) * 4 + c) * kThreads] = acc[mi][ni][c];
+    for (int i = 0; i < kAcc; ++i) part[i * kThreads] = sums[i];
     if (!last_to_arrive(arrived + tile, unsigned(splits), last_flag, [] { __syncthreads(); })) return;
     const float* tile_parts = parts + size_t(tile) * splits * kAcc * kThreads + tid;
 #pragma unroll
-    for (int mi = 0; mi < kMI; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < T::WN / 8; ++ni)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int i = ((mi * (T::WN / 8) + ni) * 4 + c) * kThreads;
-          float sum = tile_parts[i];
-          for (int q = 1; q < splits; ++q) sum += tile_parts[size_t(q) * kAcc * kThreads + i];
-          acc[mi][ni][c] = sum;
-        }
+    for (int i = 0; i < kAcc; ++i) {
+      float sum = tile_parts[i * kThreads];
+      for (int q = 1; q < splits; ++q) sum += tile_parts[(size_t(q) * kAcc + i) * kThreads];
+      sums[i] = sum;
+    }
   }
   // Accumulator (mi, ni): rows g and g + 8 of W's m16 tile, columns 2t, 2t + 1 of x's n8 tile.
 #pragma unroll

@@ -11,6 +11,7 @@
 #include "delta_b1.cuh"
 #include "fused_linear_stream.cuh"
 #include "launch.cuh"
+#include "mma.cuh"
 #include "stream_scratch.cuh"
 #include "tma.cuh"
 
@@ -43,15 +44,6 @@ struct DecodeParams {
   const float* alpha[kMaxRows];  // per row of x; nullptr: no delta
   int alpha_per_row[kMaxRows];
 };
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // Weights are read once: bypass L1. Not volatile, so the compiler may batch all loads before first
 // use.

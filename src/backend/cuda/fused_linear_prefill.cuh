@@ -40,9 +40,9 @@ enum class PrefillMethod { kBaseOnly, kTwoGemms, kMaterialize, kPipelined, kFuse
 // 100-token prompts 14.0 against 17.1 ms, 200-token 20.4 against 20.2, 512-token 31.5 against 27.7.
 // Per linear (runs 287-288, the five benchmark shapes and the engine's q|k|v and gate|up), against
 // materialize's best chunk: 0.40–1.09× its time up to 64 rows, 0.78–1.70× at 96 and 128, 1.3–2.1×
-// from 192, where cuBLAS on W_eff runs at 400–790 TF/s and the portable GEMM's mma.sync at well
-// under half of that. (The engine materializes in chunks of 16 Mi elements, more launches than the
-// benchmark's best chunk.)
+// from 192, where cuBLAS on W alone (timed beside it) runs at 310–790 TF/s and the portable GEMM at
+// well under half of that. (The engine materializes in chunks of 16 Mi elements, more launches than the
+// benchmark's best chunk: a likely reason for the later crossover, not timed apart.)
 constexpr int kPortableFusedRows = 128;
 
 // How the fused GEMM spreads its tiles over thread blocks:

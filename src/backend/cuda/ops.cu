@@ -8,6 +8,7 @@
 
 #include "cuda_check.cuh"
 #include "launch.cuh"
+#include "mma.cuh"
 #include "stream_scratch.cuh"
 
 namespace bitdelta::cuda {
@@ -572,13 +573,8 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
 // - p·v, n = dims: n-tile j's column n is dim DG·n + j (DG = head_dim / 8): lane g loads dims
 //   DG·g..DG·g + DG − 1 of each of its positions (contiguous), and the output it holds, columns 2t
 //   and 2t + 1 of every n-tile, is dims 2·DG·t..2·DG·t + 2·DG − 1 of head g.
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+// (The mma itself: mma_bf16, mma.cuh.)
+//
 // Two floats as a bf16 pair (x low) and what their rounding left, likewise.
 __device__ __forceinline__ void split_bf16x2(float x, float y, uint32_t& hi, uint32_t& lo) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
@@ -663,8 +659,8 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_mma_kernel(const f
       const uint4 qh = q_hi[sl][g][t], ql = q_lo[sl][g][t];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        mma_bf16_16816(sc[i], qh.x, ql.x, qh.y, ql.y, kr[i][sl].x, kr[i][sl].y);
-        mma_bf16_16816(sc[i], qh.z, ql.z, qh.w, ql.w, kr[i][sl].z, kr[i][sl].w);
+        mma_bf16(sc[i], qh.x, ql.x, qh.y, ql.y, kr[i][sl].x, kr[i][sl].y);
+        mma_bf16(sc[i], qh.z, ql.z, qh.w, ql.w, kr[i][sl].z, kr[i][sl].w);
       }
     }
     if (next < chunk_end) load_keys(next);  // in flight during this chunk's softmax and values
@@ -704,7 +700,7 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_mma_kernel(const f
         const auto pick = [&](const uint4& v) { return word == 0 ? v.x : word == 1 ? v.y : word == 2 ? v.z : v.w; };
         const uint32_t b0 = __byte_perm(pick(vr[st][0][w]), pick(vr[st][1][w]), sel);
         const uint32_t b1 = __byte_perm(pick(vr[st][2][w]), pick(vr[st][3][w]), sel);
-        mma_bf16_16816(acc[j], p0h, p0l, p1h, p1l, b0, b1);
+        mma_bf16(acc[j], p0h, p0l, p1h, p1l, b0, b1);
       }
     }
     if (next < chunk_end) load_values(next);

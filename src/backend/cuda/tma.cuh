@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "bitdelta/error.h"
+#include "mma.cuh"
 #include "weff.cuh"
 
 namespace bitdelta::cuda {
@@ -44,9 +45,6 @@ __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
 // The dynamic shared memory `raw`, moved up to the next 1024-byte boundary (128-byte swizzled TMA
 // tiles need it). The offset is added to `raw` itself: rounding the address through an integer
 // loses the shared address space, and every later access through the result becomes a generic load

@@ -1,0 +1,25 @@
+// Warp-level tensor-core and shared-memory primitives that kernels for any GPU of compute capability
+// 8.0 or later share (the sm_90a-only ones are in tma.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace bitdelta::cuda {
+
+// d += a · b: mma.m16n8k16, bf16 operands, f32 accumulators (a0..a3, b0, b1 in the fragment layout
+// of the PTX ISA).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The shared-memory address of p (a generic pointer into shared memory).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+}  // namespace bitdelta::cuda
