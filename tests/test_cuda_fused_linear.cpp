@@ -431,6 +431,28 @@ int main() {
                      [&] { bcuda::mma_gemm(any, 64, 128, any, 8, none, y, nullptr, {64, 3, 3}); });
       expect_refused("mma gemm, tile 96", "no tile of 96 rows",
                      [&] { bcuda::mma_gemm(any, 64, 128, any, 8, none, y, nullptr, {96, 3, 1}); });
+      // Its choice of tile and split is one it takes, within the shared memory the GPU allows a
+      // block (8.6/8.9, A100, H100/H200) and with at least 4 stages of K per block where it splits.
+      int chosen = 0, bad = 0;
+      std::string first_bad;
+      for (int N : {64, 4096, 12288, 22016, 32000})
+        for (int K : {64, 128, 4096, 11008})
+          for (int rows : {1, 33, 64, 100, 128, 200, 256, 512})
+            for (int optin : {99 << 10, 163 << 10, 227 << 10})
+              for (int sms : {28, 108, 132}) {
+                const bcuda::MmaGemmConfig c = bcuda::mma_gemm_choose(N, K, rows, optin, sms);
+                const int most = std::max(1, std::min(16, K / 64 / 4));
+                const bool ok = (c.bn == 64 || c.bn == 128) && (c.stages == 3 || c.stages == 4) &&
+                                bcuda::mma_gemm_smem(c) <= optin && c.k_split >= 1 && c.k_split <= most;
+                ++chosen;
+                if (!ok && bad++ == 0)
+                  first_bad = std::to_string(N) + "x" + std::to_string(K) + ", " + std::to_string(rows) + " rows: " +
+                              std::to_string(c.bn) + "/" + std::to_string(c.stages) + " split " + std::to_string(c.k_split);
+              }
+      ++checks;
+      if (bad) ++failures;
+      std::printf("%s mma gemm's choice valid in %d of %d cases%s\n", bad ? "FAIL" : "ok  ", chosen - bad, chosen,
+                  bad ? (", first " + first_bad).c_str() : "");
     }
     // x quantized by one block in shared memory (the one-row kernel's transpose) against
     // quantize_x (ballots): the same bytes, on aligned and unaligned x, K not a multiple of 256 or

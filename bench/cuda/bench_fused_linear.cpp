@@ -9,7 +9,8 @@
 // [N K ...] cases (b), d and e only (rows of several variants); --few-rows
 // [N K ...] case c' (8–48 rows of one variant) only; --prefill-rows R [N K ...] case (c) with R rows
 // instead of 512 (not c'); --quick the first shape; --profile [N K],
-// --profile-prefill [N K [rows]] few reps (for ncu);
+// --profile-prefill [N K [rows]] few reps (for ncu); --portable-sweep R1,R2,... [N K ...] the
+// portable fused GEMM's configurations at those row counts;
 // --tile-read [N K ...] the streaming kernel's TMA ring alone in several stage geometries (tile_read.h);
 // --stream-trace [N K ...] the streaming kernel's per-block timeline (a BITDELTA_STREAM_TRACE build), also
 // with x quantized before and with parts of its work knocked out (stream_knockout).
@@ -775,6 +776,72 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+// The portable fused GEMM (mma.sync, fused_gemm_mma.cuh) over its configurations at few rows of one
+// variant: tiles of 64 or 128 rows of x, 3 or 4 stages, K split 1 to 8 ways, with the delta; beside
+// cuBLAS on the base, materialize + cuBLAS, and the configuration mma_gemm_choose picks. The data for
+// that choice.
+void bench_portable_sweep(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
+                          const std::vector<int>& row_counts) {
+  using M = bcuda::PrefillMethod;
+  using FS = bcuda::FusedSplit;
+  const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
+  const int nsets = int(std::max<size_t>(2, (240u << 20) / wbytes + 1));  // > 4× L2 per rotation
+  std::vector<std::unique_ptr<DeviceMem>> w, signs, alpha;
+  for (int s = 0; s < nsets; ++s) {
+    w.push_back(std::make_unique<DeviceMem>(wbytes));
+    rnd.fill(w.back()->ptr, wbytes, true);
+    signs.push_back(std::make_unique<DeviceMem>(sbytes));
+    rnd.fill(signs.back()->ptr, sbytes, false);
+    alpha.push_back(std::make_unique<DeviceMem>(size_t(N) * 4));
+    std::vector<float> a(N);
+    std::mt19937 rng(s);
+    for (auto& x : a) x = 0.001f + 0.002f * float(rng() % 1000) / 1000.0f;
+    BITDELTA_CUDA_CHECK(cudaMemcpy(alpha.back()->ptr, a.data(), a.size() * 4, cudaMemcpyHostToDevice));
+  }
+  const int max_rows = *std::max_element(row_counts.begin(), row_counts.end());
+  DeviceMem x(size_t(max_rows) * K * 2), y(size_t(max_rows) * N * 4);
+  rnd.fill(x.ptr, size_t(max_rows) * K * 2, true);
+  auto W = [&](int s) { return static_cast<const bf16*>(w[s % nsets]->ptr); };
+  auto delta = [&](int s) {
+    return DeltaRef{static_cast<const uint8_t*>(signs[s % nsets]->ptr), static_cast<const float*>(alpha[s % nsets]->ptr),
+                    true};
+  };
+  const auto* X = static_cast<const bf16*>(x.ptr);
+  float* Y = static_cast<float*>(y.ptr);
+  const std::string shape = std::to_string(N) + "x" + std::to_string(K);
+  const int reps = wbytes > (200u << 20) ? 20 : 50;
+  const float one = 1.0f, zero = 0.0f;
+  const double bytes = double(wbytes + sbytes);
+  for (int rows : row_counts) {
+    const std::string cs = "s: " + std::to_string(rows) + " rows 1 variant";
+    const double tb = time_us(
+        [&](int s) {
+          BITDELTA_CUBLAS_CHECK(cublasGemmEx(prefill.handle(), CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &one, W(s),
+                                             CUDA_R_16BF, K, X, CUDA_R_16BF, K, &zero, Y, CUDA_R_32F, N,
+                                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        },
+        reps);
+    add({shape, cs, "cuBLAS base-only", tb, double(wbytes), 0, ""});
+    const double tm = time_us([&](int s) { prefill.run(M::kMaterialize, W(s), N, K, X, rows, delta(s), Y); }, reps);
+    add({shape, cs, "materialize + cuBLAS", tm, bytes, tb, "x cuBLAS"});
+    prefill.set_fused_config({});
+    const double tc = time_us([&](int s) { prefill.run(M::kFusedMma, W(s), N, K, X, rows, delta(s), Y); }, reps);
+    add({shape, cs, "portable, its choice", tc, bytes, tb, "x cuBLAS"});
+    for (int bn : {64, 128})
+      for (int stages : {3, 4})
+        for (int split : {1, 2, 3, 4, 6, 8}) {
+          if (split > K / 64) continue;
+          prefill.set_fused_config({0, 0, FS::kStreamK, bn, stages, split});
+          const double t = time_us([&](int s) { prefill.run(M::kFusedMma, W(s), N, K, X, rows, delta(s), Y); }, reps);
+          add({shape, cs,
+               "portable " + std::to_string(bn) + "/" + std::to_string(stages) + " split " + std::to_string(split), t,
+               bytes, tb, "x cuBLAS"});
+        }
+    prefill.set_fused_config({});
+  }
+  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 // The TMA ring of the streaming kernel with nothing consuming it (tile_read.h), in several stage
 // geometries, against the floor of a plain read of the same bytes: W alone, and W with 16 variants'
 // signs (case b).
@@ -888,6 +955,23 @@ int main(int argc, char** argv) {
         for (int i = 3; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
       }
       for (auto [N, K] : shapes) bench_shape(rnd, prefill, N, K, false, true, prefill_rows, false, false, false, false, true);
+      return 0;
+    }
+    if (mode == "--portable-sweep") {  // --portable-sweep R1,R2,... [N K ...]: the portable GEMM's configurations
+      if (argc < 3) throw std::runtime_error("--portable-sweep takes row counts, e.g. 33,48,64,96,128");
+      std::vector<int> rows;
+      for (const char* p = argv[2]; *p;) {
+        rows.push_back(std::atoi(p));
+        while (*p && *p != ',') ++p;
+        if (*p == ',') ++p;
+      }
+      if (rows.empty() || *std::min_element(rows.begin(), rows.end()) < 1)
+        throw std::runtime_error("--portable-sweep: row counts must be at least 1");
+      if (argc > 4) {
+        shapes.clear();
+        for (int i = 3; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
+      }
+      for (auto [N, K] : shapes) bench_portable_sweep(rnd, prefill, N, K, rows);
       return 0;
     }
     if (mode == "--prefill" && argc > 3) {  // --prefill N K [N K ...]: case (c) at these shapes instead

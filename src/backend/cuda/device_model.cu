@@ -72,8 +72,9 @@ constexpr size_t kWeffRows = 2;
 // There, past those 32 rows a variant alone goes to PrefillLinear's kFused: the portable fused GEMM
 // (fused_gemm_mma.cuh) up to kPortableFusedRows rows, materialize past them. At 32 rows the portable
 // GEMM took 0.44–0.74× the time of what ran past 32 rows before (cuBLAS on the base, then the
-// delta-only launches), and at 48 rows 0.40–0.99× materialize's (run 287, the five layer shapes; the
-// 7B-shaped step at batch 48 of one variant on the compute_80 build: 10.17 ms against 16.67).
+// delta-only launches; run 287, the five layer shapes), and at 33–64 rows 0.46–0.61× materialize's
+// (run 293, the engine's shapes). The 7B-shaped step at batch 48 of one variant on the compute_80
+// build: 16.67 ms materializing (run 287), 8.15 with it (run 294; the base 6.64).
 // `portable`: it takes every linear's K. In mixed steps a variant's rows still take a GEMM from 48.
 // (DeviceModel::Impl::gemm_rows passes the device's answers.)
 size_t gemm_rows(bool with_delta, bool fused, bool alone, bool streams, bool portable) {

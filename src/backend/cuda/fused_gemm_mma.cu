@@ -24,8 +24,8 @@ constexpr int kThreads = 256;
 //       logical chunk: the XOR spreads them over all banks)
 //   x   [BN rows][8 chunks], the same swizzle
 //   signs [8 row groups][8 g][2 t'][4 words]: for each row group, lane 4g + t of the packed layout
-//       (packed_signs.h) with t = 2·(stage's 64-column quarter & 1) + t', its four words whole
-//       (the stage needs two of them; 16-byte copies)
+//       (packed_signs.h) with t = 2·(stage's 64-column quarter & 1) + t', the two of its four words
+//       that the stage needs (4-byte copies; the others' places stay empty)
 template <int BN, int S>
 struct MmaTile {
   static constexpr int kWBytes = kBM * kBK * 2, kXBytes = BN * kBK * 2;
@@ -40,6 +40,10 @@ struct MmaTile {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
+}
+// 4 bytes global → shared (through L1: .cg takes 16 only), zero-filled where !valid.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -77,24 +81,55 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int row_groups = (N + 15) / 16;
   const uint32_t ring = smem_addr(smem);
 
-  const auto load_stage = [&](int kt) {
-    const uint32_t wt = ring + (kt % S) * T::kStageBytes, xt = wt + T::kWBytes, st = xt + T::kXBytes;
-    const int k0 = kt * kBK;
+  // What each thread copies per stage, the same every stage but for the columns: 16-byte chunk
+  // ch = tid % 8 of W's rows r0 + 32·i and of x's rows r0 + 32·i (r0 = tid / 8), into slot offsets
+  // that share the swizzle (r0 + 32·i ≡ r0 mod 8); and one word of the sign chunks (below). Element
+  // offsets from the tile's first row, in 32 bits (under 128·K); rows past N or M read the tile's
+  // first row instead and are zero-filled.
+  const int ch = tid & 7, r0 = tid >> 3;
+  const uint32_t dst0 = uint32_t(r0) * 128 + uint32_t((ch ^ (r0 & 7)) << 4);
+  const __nv_bfloat16* w_tile = w + size_t(n0) * K + ch * 8;
+  const __nv_bfloat16* x_tile = x + size_t(m0) * K + ch * 8;
+  uint32_t w_off[kBM / 32], x_off[BN / 32];
+  unsigned w_ok = 0, x_ok = 0;
 #pragma unroll
-    for (int i = 0; i < kBM * 8 / kThreads; ++i) {
-      const int c = tid + kThreads * i, r = c >> 3, ch = c & 7, n = n0 + r;
-      cp_async16(wt + r * 128 + ((ch ^ (r & 7)) << 4), w + size_t(n < N ? n : 0) * K + k0 + ch * 8, n < N);
-    }
+  for (int i = 0; i < kBM / 32; ++i) {
+    const bool ok = n0 + r0 + 32 * i < N;
+    w_off[i] = ok ? uint32_t(r0 + 32 * i) * uint32_t(K) : 0u;
+    w_ok |= unsigned(ok) << i;
+  }
 #pragma unroll
-    for (int i = 0; i < BN * 8 / kThreads; ++i) {
-      const int c = tid + kThreads * i, r = c >> 3, ch = c & 7, m = m0 + r;
-      cp_async16(xt + r * 128 + ((ch ^ (r & 7)) << 4), x + size_t(m < M ? m : 0) * K + k0 + ch * 8, m < M);
-    }
-    if (Delta && tid < kBM) {  // chunk tid = (rg · 8 + g) · 2 + t'
-      const int rg = n0 / 16 + (tid >> 4), cg = (tid >> 1) & 7, tp = tid & 1, quarter = (k0 & 255) >> 6;
-      const bool ok = rg < row_groups;
-      cp_async16(st + tid * 16,
-                 signs + ((size_t(ok ? rg : 0) * KB + (k0 >> 8)) * 32 + 4 * cg + 2 * (quarter & 1) + tp) * 4, ok);
+  for (int i = 0; i < BN / 32; ++i) {
+    const bool ok = m0 + r0 + 32 * i < M;
+    x_off[i] = ok ? uint32_t(r0 + 32 * i) * uint32_t(K) : 0u;
+    x_ok |= unsigned(ok) << i;
+  }
+  // Signs: thread tid copies word 2·(quarter >> 1) + (tid & 1) of chunk c = tid / 2 = (rg·8 + g)·2 + t'
+  // (the two words the stage reads; slots keep the chunk's 16-byte place).
+  [[maybe_unused]] const uint32_t* s_src = nullptr;
+  [[maybe_unused]] bool s_ok = false;
+  if constexpr (Delta) {
+    const int c = tid >> 1, rg = n0 / 16 + (c >> 4), cg = (c >> 1) & 7, tp = c & 1;
+    s_ok = rg < row_groups;
+    s_src = signs + (size_t(s_ok ? rg : 0) * KB * 32 + 4 * cg + tp) * 4 + (tid & 1);
+  }
+
+  // Stage kt into its slot; past kt1 (the ring's last S − 1 iterations) the copies are zero-fills of
+  // a free slot, so that the loop has no branch around them.
+  const auto load_stage = [&](int kt, int slot) {
+    const uint32_t wt = ring + slot * T::kStageBytes, xt = wt + T::kWBytes, st = xt + T::kXBytes;
+    const bool live = kt < kt1;
+    const int k0 = (live ? kt : kt1 - 1) * kBK;
+#pragma unroll
+    for (int i = 0; i < kBM / 32; ++i)
+      cp_async16(wt + dst0 + i * 32 * 128, w_tile + w_off[i] + k0, live && (w_ok >> i & 1));
+#pragma unroll
+    for (int i = 0; i < BN / 32; ++i)
+      cp_async16(xt + dst0 + i * 32 * 128, x_tile + x_off[i] + k0, live && (x_ok >> i & 1));
+    if constexpr (Delta) {  // block (k0 / 256) of the row group; quarter = (k0 % 256) / 64
+      const int quarter = (k0 & 255) >> 6;
+      cp_async4(st + (tid >> 1) * 16 + (2 * (quarter >> 1) + (tid & 1)) * 4,
+                s_src + (k0 >> 8) * 128 + 8 * (quarter & 1) + 2 * (quarter >> 1), live && s_ok);
     }
   };
 
@@ -119,8 +154,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t a_row = uint32_t(wr + sw + 8 * ((lane >> 3) & 1)) * 128, a_hi = lane >> 4;
   const uint32_t b_row = uint32_t(wc + sw + 8 * (lane >> 4)) * 128, b_hi = (lane >> 3) & 1;
   float acc[kMI][T::WN / 8][4] = {};
-  const auto compute = [&](int kt) {
-    const uint32_t wt = ring + (kt % S) * T::kStageBytes, xt = wt + T::kWBytes, st = xt + T::kXBytes;
+  const auto compute = [&](int kt, int slot) {
+    const uint32_t wt = ring + slot * T::kStageBytes, xt = wt + T::kWBytes, st = xt + T::kXBytes;
     // The signs of this lane's rows g and g + 8 of each m16 tile: words (t', i) of the chunk
     // (row group, g), i = 2·(quarter >> 1) for row g and + 1 for row g + 8, t' = 0 for the stage's
     // columns 0..31 and 1 for 32..63; bit c is column c. Per 16 columns of a word (z: its low or high
@@ -174,15 +209,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   // so that the wait's count holds.
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    if (kt0 + s < kt1) load_stage(kt0 + s);
+    load_stage(kt0 + s, s);
     cp_async_commit();
   }
-  for (int kt = kt0; kt < kt1; ++kt) {
+  for (int kt = kt0, slot = 0; kt < kt1; ++kt) {
     cp_async_wait<S - 2>();
     __syncthreads();
-    if (kt + S - 1 < kt1) load_stage(kt + S - 1);
+    load_stage(kt + S - 1, slot == 0 ? S - 1 : slot - 1);  // the slot of stage kt − 1
     cp_async_commit();
-    compute(kt);
+    compute(kt, slot);
+    slot = slot == S - 1 ? 0 : slot + 1;
   }
 
   if (splits > 1) {
@@ -194,12 +230,23 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) part[i * kThreads] = sums[i];
     if (!last_to_arrive(arrived + tile, unsigned(splits), last_flag, [] { __syncthreads(); })) return;
+    // 16 accumulators at a time, each part's 16 loads issued together before their adds (one round
+    // trip to L2 per part and 16 sums, not one per sum; run 292's loop of one load per add took
+    // 10–40 µs of a launch).
     const float* tile_parts = parts + size_t(tile) * splits * kAcc * kThreads + tid;
+    constexpr int kBatch = 16;
 #pragma unroll
-    for (int i = 0; i < kAcc; ++i) {
-      float sum = tile_parts[i * kThreads];
-      for (int q = 1; q < splits; ++q) sum += tile_parts[(size_t(q) * kAcc + i) * kThreads];
-      sums[i] = sum;
+    for (int c0 = 0; c0 < kAcc; c0 += kBatch) {
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) sums[c0 + i] = __ldcg(tile_parts + (c0 + i) * kThreads);
+      for (int q = 1; q < splits; ++q) {
+        const float* pq = tile_parts + size_t(q) * kAcc * kThreads;
+        float v[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) v[i] = __ldcg(pq + (c0 + i) * kThreads);
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) sums[c0 + i] += v[i];
+      }
     }
   }
   // Accumulator (mi, ni): rows g and g + 8 of W's m16 tile, columns 2t, 2t + 1 of x's n8 tile.
@@ -277,13 +324,26 @@ int mma_gemm_smem(MmaGemmConfig c) {
 }
 
 MmaGemmConfig mma_gemm_choose(int N, int K, int rows, int smem_optin, int sms) {
-  MmaGemmConfig c{rows <= 64 ? 64 : 128, 3, 1};
-  if (mma_gemm_smem(c) > smem_optin) c.bn = 64;
-  // Split along K where the tiles leave more than half the multiprocessors without a block, to a
-  // block per multiprocessor, keeping at least 4 stages (256 columns) per block.
-  const int tiles = (N + kBM - 1) / kBM * ((rows + c.bn - 1) / c.bn);
-  c.k_split = 2 * tiles >= sms ? 1 : std::max(1, std::min({(sms + tiles - 1) / tiles, K / kBK / 4, 16}));
-  return c;
+  // The configuration with the least modelled time, in stages of a 64-row tile: the waves of blocks
+  // (one block per multiprocessor a wave) × the stages each block runs × 1.6 for a 128-row tile, and
+  // two stages more per split past the first (the merge). Fitted to run 293 (4096², 12288 × 4096,
+  // 22016 × 4096 and 4096 × 11008 at 33–256 rows on an H200): its picks took 1.005× the time of the
+  // best of 24 configurations on geometric average, 1.08× at worst. 3 stages: 4 were no faster.
+  // K split keeps at least 4 stages per block, and at most 16 splits.
+  const int KT = K / kBK;
+  MmaGemmConfig best{64, 3, 1};
+  double best_t = 0;
+  for (int bn : {64, 128}) {
+    if (mma_gemm_smem({bn, 3, 1}) > smem_optin) continue;
+    const double stage = bn == 128 ? 1.6 : 1.0;
+    const long tiles = long((N + kBM - 1) / kBM) * ((rows + bn - 1) / bn);
+    for (int split = 1; split <= std::max(1, std::min(16, KT / 4)); ++split) {
+      const long waves = (tiles * split + sms - 1) / sms;
+      const double t = stage * (double(waves) * ((KT + split - 1) / split) + 2 * (split - 1));
+      if (best_t == 0 || t < best_t) best = {bn, 3, split}, best_t = t;
+    }
+  }
+  return best;
 }
 
 void mma_gemm(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows, const DeltaRef& delta,

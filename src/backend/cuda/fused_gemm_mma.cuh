@@ -1,5 +1,5 @@
 // The portable fused prefill GEMM: y[rows, N] f32 = x[rows, K] · W_effᵀ with W_eff = W + α⊙S formed
-// in shared memory, stage by stage, on its way to the tensor cores (mma.sync, bf16 in, f32
+// in registers, stage by stage, on its way to the tensor cores (mma.sync, bf16 in, f32
 // accumulation). It runs on every GPU this build runs on (compute capability 8.0 and later): where
 // the sm_90a fused GEMM (wgmma, fused_linear_prefill.cu) does not, PrefillLinear's kFused runs this
 // one instead of materializing W_eff. W_eff rounds as everywhere else: bf16(W + bf16(α)·s) (weff.cuh).
@@ -27,8 +27,9 @@ struct MmaGemmConfig {
 // Shared memory a configuration takes per block (the device's opt-in limit must hold it: 128 × 3
 // takes 102 KiB, more than 8.6 and 8.9 GPUs allow a block).
 int mma_gemm_smem(MmaGemmConfig config);
-// By rows of x: 64 up to 64 rows, else 128 where the device's shared memory per block allows; 3
-// stages; K split where the tiles alone give `sms` multiprocessors fewer than two blocks each.
+// The tile of x's rows (64 or 128, where the device's shared memory per block allows) and the K split
+// with the least modelled time over `sms` multiprocessors (waves of blocks × stages per block); 3
+// stages.
 MmaGemmConfig mma_gemm_choose(int N, int K, int rows, int smem_optin, int sms);
 
 bool mma_gemm_supported(const __nv_bfloat16* w, int K, const __nv_bfloat16* x, const DeltaRef& delta);

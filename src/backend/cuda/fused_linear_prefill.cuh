@@ -36,14 +36,14 @@ enum class PrefillMethod { kBaseOnly, kTwoGemms, kMaterialize, kPipelined, kFuse
 
 // Where the sm_90a GEMM does not run, kFused takes the portable one up to this many rows of x and
 // materializes W_eff past them. Chosen by the 7B shape's TTFT per variant on the compute_80 build
-// (run 288, the H200): with the portable GEMM for every row count against up to 64 rows,
-// 100-token prompts 14.0 against 17.1 ms, 200-token 20.4 against 20.2, 512-token 31.5 against 27.7.
-// Per linear (runs 287-288, the five benchmark shapes and the engine's q|k|v and gate|up), against
-// materialize's best chunk: 0.40–1.09× its time up to 64 rows, 0.78–1.70× at 96 and 128, 1.3–2.1×
-// from 192, where cuBLAS on W alone (timed beside it) runs at 310–790 TF/s and the portable GEMM at
-// well under half of that. (The engine materializes in chunks of 16 Mi elements, more launches than the
-// benchmark's best chunk: a likely reason for the later crossover, not timed apart.)
-constexpr int kPortableFusedRows = 128;
+// (run 294, the H200; the portable GEMM with its split-K merge batched and its tile and split from
+// mma_gemm_choose's model): 200-token prompts 15.9 ms with it against 20.3 materializing, 256-token
+// 16.0 against 20.8 (run 294), 384-token 23.2 against 24.9 (run 295). Per linear (run 293, the engine's q|k|v, gate|up, o and down), against
+// materialize: 0.46–0.61× its time at 33–64 rows, 0.64–0.78× at 96–128, 0.92–1.06× at 192 and
+// 1.00–1.20× at 256 (the engine materializes in chunks of 16 Mi elements, more launches than the
+// benchmark). At 512 rows it took 1.43–1.71× materialize's time (cuBLAS's wgmma on W_eff; on 8.x GPUs,
+// whose tensor cores mma.sync drives at their full rate, the balance may differ; not measured).
+constexpr int kPortableFusedRows = 384;
 
 // How the fused GEMM spreads its tiles over thread blocks:
 //   kTilePerBlock  one block per tile (a last, partial wave leaves multiprocessors idle)
