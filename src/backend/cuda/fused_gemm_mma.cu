@@ -230,11 +230,12 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) part[i * kThreads] = sums[i];
     if (!last_to_arrive(arrived + tile, unsigned(splits), last_flag, [] { __syncthreads(); })) return;
-    // 16 accumulators at a time, each part's 16 loads issued together before their adds (one round
-    // trip to L2 per part and 16 sums, not one per sum: the loop of one load per add cost a split
-    // launch at 33–128 rows a median 17 µs split 2 ways, 41 µs 8 ways; runs 292–293).
+    // 32 accumulators at a time, each part's 32 loads issued together before their adds (one round
+    // trip to L2 per part and 32 sums, not one per sum: the loop of one load per add cost a split
+    // launch at 33–128 rows a median 17 µs split 2 ways, 41 µs 8 ways, runs 292–293; 32 at a time
+    // against 16 took a median 0.95–1.00× the time by splits, run 297).
     const float* tile_parts = parts + size_t(tile) * splits * kAcc * kThreads + tid;
-    constexpr int kBatch = 16;
+    constexpr int kBatch = 32;
 #pragma unroll
     for (int c0 = 0; c0 < kAcc; c0 += kBatch) {
 #pragma unroll
