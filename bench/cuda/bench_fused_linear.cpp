@@ -254,50 +254,66 @@ void trace_stream(const std::string& shape, const std::string& what, const std::
 constexpr auto kRegisters = bcuda::DecodeKernel::kRegisters, kStream = bcuda::DecodeKernel::kStream,
                kBalanced = bcuda::DecodeKernel::kBalanced;
 
+// Rotating sets of W (random bf16) and, per set, `variants` deltas (random sign bits in the packed
+// device layout, for which the layout changes nothing; α per row in [0.001, 0.003)): enough sets that
+// one rotation holds more than 4× the 60 MB L2, so that no rep finds its operands there.
+class WeightSets {
+ public:
+  WeightSets(const RandomFill& rnd, int N, int K, int variants)
+      : variants_(variants), nsets_(int(std::max<size_t>(2, (240u << 20) / (size_t(N) * K * 2) + 1))) {
+    const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
+    for (int s = 0; s < nsets_; ++s) {
+      w_.push_back(std::make_unique<DeviceMem>(wbytes));
+      rnd.fill(w_.back()->ptr, wbytes, true);
+      for (int v = 0; v < variants; ++v) {
+        signs_.push_back(std::make_unique<DeviceMem>(sbytes));
+        rnd.fill(signs_.back()->ptr, sbytes, false);
+        alpha_.push_back(std::make_unique<DeviceMem>(size_t(N) * 4));
+        std::vector<float> a(N);
+        std::mt19937 rng(s * 100 + v);
+        for (auto& x : a) x = 0.001f + 0.002f * float(rng() % 1000) / 1000.0f;
+        BITDELTA_CUDA_CHECK(cudaMemcpy(alpha_.back()->ptr, a.data(), a.size() * 4, cudaMemcpyHostToDevice));
+      }
+    }
+  }
+  const bf16* W(int s) const { return static_cast<const bf16*>(w_[size_t(s % nsets_)]->ptr); }
+  DeltaRef delta(int s, int v) const {
+    const size_t i = size_t(s % nsets_) * variants_ + v;
+    return DeltaRef{static_cast<const uint8_t*>(signs_[i]->ptr), static_cast<const float*>(alpha_[i]->ptr), true};
+  }
+
+ private:
+  int variants_, nsets_;
+  std::vector<std::unique_ptr<DeviceMem>> w_, signs_, alpha_;
+};
+
+// cuBLAS on the base alone: y[rows, N] f32 = x[rows, K] · Wᵀ.
+void cublas_base(bcuda::PrefillLinear& prefill, const bf16* w, int N, int K, const bf16* x, int rows, float* y) {
+  const float one = 1.0f, zero = 0.0f;
+  BITDELTA_CUBLAS_CHECK(cublasGemmEx(prefill.handle(), CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &one, w, CUDA_R_16BF, K,
+                                     x, CUDA_R_16BF, K, &zero, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
+}
+
 void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
                  bool profile_only = false, bool prefill_only = false, int prefill_rows = 512,
                  bool few_rows_only = false, bool one_row_only = false, bool many_only = false,
                  bool trace_only = false, bool c_only = false) {
-  // Signs: random bits in the packed device layout (for random bits the layout changes nothing).
   const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
-  const int nsets = int(std::max<size_t>(2, (240u << 20) / wbytes + 1));  // > 4× L2 per rotation
   const int kVariants = 16, kPrefillRows = prefill_rows;
   const std::string c_rows = "c: " + std::to_string(kPrefillRows) + " rows";
-  std::vector<std::unique_ptr<DeviceMem>> w, signs, alpha;
-  for (int s = 0; s < nsets; ++s) {
-    w.push_back(std::make_unique<DeviceMem>(wbytes));
-    rnd.fill(w.back()->ptr, wbytes, true);
-    for (int v = 0; v < kVariants; ++v) {
-      signs.push_back(std::make_unique<DeviceMem>(sbytes));
-      rnd.fill(signs.back()->ptr, sbytes, false);
-      alpha.push_back(std::make_unique<DeviceMem>(size_t(N) * 4));
-      std::vector<float> a(N);
-      std::mt19937 rng(s * 100 + v);
-      for (auto& x : a) x = 0.001f + 0.002f * float(rng() % 1000) / 1000.0f;
-      BITDELTA_CUDA_CHECK(
-          cudaMemcpy(alpha.back()->ptr, a.data(), a.size() * 4, cudaMemcpyHostToDevice));
-    }
-  }
+  const WeightSets sets(rnd, N, K, kVariants);
   const size_t x_rows = std::max(kPrefillRows, 512);
   DeviceMem x(x_rows * K * 2), y(x_rows * N * 4);
   rnd.fill(x.ptr, x_rows * K * 2, true);
-  auto W = [&](int s) { return static_cast<const bf16*>(w[s % nsets]->ptr); };
-  auto delta = [&](int s, int v) {
-    const int i = (s % nsets) * kVariants + v;
-    return DeltaRef{static_cast<const uint8_t*>(signs[i]->ptr),
-                    static_cast<const float*>(alpha[i]->ptr), true};
-  };
+  auto W = [&](int s) { return sets.W(s); };
+  auto delta = [&](int s, int v) { return sets.delta(s, v); };
   const auto* X = static_cast<const bf16*>(x.ptr);
   float* Y = static_cast<float*>(y.ptr);
   const bool stream_runs = bcuda::stream_kernel_supports(W(0), K, X);
   const std::string shape = std::to_string(N) + "x" + std::to_string(K);
   const int reps = profile_only ? 1 : wbytes > (200u << 20) ? 30 : 100;
-  const float one = 1.0f, zero = 0.0f;
-  auto cublas_rows = [&](int rows, int s) {
-    BITDELTA_CUBLAS_CHECK(cublasGemmEx(prefill.handle(), CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &one,
-                                       W(s), CUDA_R_16BF, K, X, CUDA_R_16BF, K, &zero, Y,
-                                       CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  };
+  auto cublas_rows = [&](int rows, int s) { cublas_base(prefill, W(s), N, K, X, rows, Y); };
 
   // (a) one row, one variant.
   if (!prefill_only && !many_only) {
@@ -785,42 +801,20 @@ void bench_portable_sweep(const RandomFill& rnd, bcuda::PrefillLinear& prefill, 
   using M = bcuda::PrefillMethod;
   using FS = bcuda::FusedSplit;
   const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
-  const int nsets = int(std::max<size_t>(2, (240u << 20) / wbytes + 1));  // > 4× L2 per rotation
-  std::vector<std::unique_ptr<DeviceMem>> w, signs, alpha;
-  for (int s = 0; s < nsets; ++s) {
-    w.push_back(std::make_unique<DeviceMem>(wbytes));
-    rnd.fill(w.back()->ptr, wbytes, true);
-    signs.push_back(std::make_unique<DeviceMem>(sbytes));
-    rnd.fill(signs.back()->ptr, sbytes, false);
-    alpha.push_back(std::make_unique<DeviceMem>(size_t(N) * 4));
-    std::vector<float> a(N);
-    std::mt19937 rng(s);
-    for (auto& x : a) x = 0.001f + 0.002f * float(rng() % 1000) / 1000.0f;
-    BITDELTA_CUDA_CHECK(cudaMemcpy(alpha.back()->ptr, a.data(), a.size() * 4, cudaMemcpyHostToDevice));
-  }
+  const WeightSets sets(rnd, N, K, 1);
   const int max_rows = *std::max_element(row_counts.begin(), row_counts.end());
   DeviceMem x(size_t(max_rows) * K * 2), y(size_t(max_rows) * N * 4);
   rnd.fill(x.ptr, size_t(max_rows) * K * 2, true);
-  auto W = [&](int s) { return static_cast<const bf16*>(w[s % nsets]->ptr); };
-  auto delta = [&](int s) {
-    return DeltaRef{static_cast<const uint8_t*>(signs[s % nsets]->ptr), static_cast<const float*>(alpha[s % nsets]->ptr),
-                    true};
-  };
+  auto W = [&](int s) { return sets.W(s); };
+  auto delta = [&](int s) { return sets.delta(s, 0); };
   const auto* X = static_cast<const bf16*>(x.ptr);
   float* Y = static_cast<float*>(y.ptr);
   const std::string shape = std::to_string(N) + "x" + std::to_string(K);
   const int reps = wbytes > (200u << 20) ? 20 : 50;
-  const float one = 1.0f, zero = 0.0f;
   const double bytes = double(wbytes + sbytes);
   for (int rows : row_counts) {
     const std::string cs = "s: " + std::to_string(rows) + " rows 1 variant";
-    const double tb = time_us(
-        [&](int s) {
-          BITDELTA_CUBLAS_CHECK(cublasGemmEx(prefill.handle(), CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, &one, W(s),
-                                             CUDA_R_16BF, K, X, CUDA_R_16BF, K, &zero, Y, CUDA_R_32F, N,
-                                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-        },
-        reps);
+    const double tb = time_us([&](int s) { cublas_base(prefill, W(s), N, K, X, rows, Y); }, reps);
     add({shape, cs, "cuBLAS base-only", tb, double(wbytes), 0, ""});
     const double tm = time_us([&](int s) { prefill.run(M::kMaterialize, W(s), N, K, X, rows, delta(s), Y); }, reps);
     add({shape, cs, "materialize + cuBLAS", tm, bytes, tb, "x cuBLAS"});
