@@ -242,8 +242,10 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
     }
     {  // The delta terms alone, added to y (DecodeOptions::delta_only: the engine's path for more rows
        // of one weight than a register-kernel launch takes, where the streaming kernel does not run):
-       // y holds the CPU's base beforehand, so y + the terms is the whole product. Rows of more than
-       // 16 take several launches; rows with no delta add nothing; the streaming kernel is refused.
+       // y holds the CPU's base beforehand, so y + the terms is the whole product. All rows in one
+       // launch (delta_terms.cuh), x quantized by the call or before it; rows with no delta add
+       // nothing; twice from the same y, the same floats (the warps' sums meet in a fixed order); a
+       // kernel named is refused.
       std::vector<DeltaRef> none(rows);
       std::vector<float> base(ref.size());
       bitdelta::cpu::fused_linear_reference(wv, xf, rows, none, nullptr, base);
@@ -252,9 +254,24 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       o.delta_only = true;
       bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyb.ptr, nullptr, o);
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
-      expect("decode delta only " + tag, dyb.to_host(), ref, decode_bound);
-      o.kernel = DK::kStream;
-      expect_refused("delta only on the streaming kernel", "delta_only runs on the register kernel alone",
+      const std::vector<float> first = dyb.to_host();
+      expect("decode delta only " + tag, first, ref, decode_bound);
+      DeviceBuffer<uint8_t> dq(bcuda::quantized_x_bytes(rows, K));
+      bcuda::quantize_x(xb, rows, K, dq.ptr, nullptr);
+      DeviceBuffer<float> dyq(base);
+      o.xq = dq.ptr;
+      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyq.ptr, nullptr, o);
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<float> second = dyq.to_host();
+      expect("delta only x before " + tag, second, ref, decode_bound);
+      ++checks;
+      if (second != first) {
+        ++failures;
+        std::printf("FAIL delta only, twice: results differ  %s\n", tag.c_str());
+      }
+      o.xq = nullptr;
+      o.kernel = DK::kRegisters;
+      expect_refused("delta only on a named kernel", "delta_only takes no kernel and no form_weights",
                      [&] { bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyb.ptr, nullptr, o); });
     }
     // Back to back on one stream, no synchronization between: the second call's quantized x must

@@ -521,6 +521,20 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           reps);
       add({shape, "b: 16 rows 16 variants", form_name(f), t, bytes, roof, "x roofline"});
     }
+    {  // cuBLAS on the base + the delta terms alone (the engine's path past 16 rows where the streaming
+       // kernel does not run), at 16 rows: against the register kernel's one launch above
+      const double t = time_us(
+          [&](int s) {
+            DeltaRef d[kVariants];
+            for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v);
+            cublas_rows(kVariants, s);
+            bcuda::DecodeOptions o;
+            o.delta_only = true;
+            bcuda::fused_linear_decode(W(s), N, K, X, kVariants, d, Y, nullptr, o);
+          },
+          reps);
+      add({shape, "b: 16 rows 16 variants", "cuBLAS + delta-only", t, bytes, roof, "x roofline"});
+    }
     if (stream_runs) {  // x quantized before the call: the linear alone, and the quantizing launch alone
       DeviceMem xq(bcuda::quantized_x_bytes(kVariants, K));
       auto* q = static_cast<uint8_t*>(xq.ptr);
@@ -612,6 +626,27 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                "x roofline"});
         }
       }
+      // Where the streaming kernel does not run, the engine takes these rows as cuBLAS on the base
+      // (W read once) + the delta terms alone (DecodeOptions::delta_only, x quantized in a launch
+      // before): that path, and the delta terms alone against the bytes of the 14 variants' signs.
+      const auto delta_terms = [&](int s) {
+        DeltaRef d[32];
+        for (int r = 0; r < 32; ++r) d[r] = delta(s, r * nv / 32);
+        bcuda::DecodeOptions o;
+        o.delta_only = true;
+        bcuda::fused_linear_decode(W(s), N, K, X, 32, {d, 32}, Y, nullptr, o);
+      };
+      const double tdo = time_us(
+          [&](int s) {
+            cublas_rows(32, s);
+            delta_terms(s);
+          },
+          reps);
+      add({shape, "e: 32 rows 14 variants", "cuBLAS + delta-only", tdo, bytes_e, bytes_e / copy_bw * 1e6,
+           "x roofline"});
+      const double bytes_d = nv * (double(sbytes) + N * 4.0);
+      const double td = time_us(delta_terms, reps);
+      add({shape, "e: 32 rows 14 variants", "delta-only alone", td, bytes_d, bytes_d / copy_bw * 1e6, "x roofline"});
     }
     if (profile_only || many_only) return;
   }

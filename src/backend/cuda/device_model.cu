@@ -592,9 +592,8 @@ struct DeviceModel::Impl {
       for (size_t i = a; i < b; ++i) deltas.push_back(lin[i]->delta);
       if (!streams && b - a > size_t(kRegisterKernelRows)) {
         // Without the streaming kernel, each register-kernel launch of 16 rows reads W again: the
-        // base of all the rows through one GEMM instead, then their delta terms added by the register
-        // kernel's delta warps alone (the variants' signs, not W). Run 271, the 7B shape on the
-        // compute_80 build: NOTES.md, part 29.
+        // base of all the rows through one GEMM instead, then their delta terms added by one launch
+        // that reads each variant's signs once, not W (delta_terms.cuh). NOTES.md, parts 29 and 33.
         prefill->run(PrefillMethod::kBaseOnly, lin[a]->w, N, K, xin + a * size_t(K), int(b - a), DeltaRef{},
                      y + a * size_t(N));
         DecodeOptions o;

@@ -9,6 +9,7 @@
 
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
+#include "delta_terms.cuh"
 #include "fused_linear_stream.cuh"
 #include "launch.cuh"
 #include "mma.cuh"
@@ -38,22 +39,11 @@ struct DecodeParams {
   float* y;
   int N, K, KB, rows, k_split, slot_groups, nslots, aligned;
   int base_warps;  // per tile: warps that do the base alone (SPEC kernels), else 0
-  int accumulate;  // y += the sums (DecodeOptions::delta_only), else y = them
   // Warp group g of a tile takes slots [g·MAXS, g·MAXS + MAXS) (those below nslots).
   Slot slots[kMaxRows];
   const float* alpha[kMaxRows];  // per row of x; nullptr: no delta
   int alpha_per_row[kMaxRows];
 };
-
-// Weights are read once: bypass L1. Not volatile, so the compiler may batch all loads before first
-// use.
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
 
 // Raw elements [k, k+8) and [k+16, k+24) of one bf16 row (zero past K on the checked path).
 template <bool kStream>
@@ -147,17 +137,16 @@ __device__ __forceinline__ void store_tile_sums(const float (&acc)[RG][4], float
     for (int i = 0; i < 4; ++i) yw[(8 * g + 2 * t + (i & 1)) * 16 + gid + 8 * (i >> 1)] = acc[g][i];
 }
 
-// The tile's rows of y, by the first of its warps: y[r][n0 + nl] = (or +=) the sum over `warps`
+// The tile's rows of y, by the first of its warps: y[r][n0 + nl] = the sum over `warps`
 // consecutive warps of ysum[warp][r][nl] (warp_stride floats from one warp's sums to the next).
 __device__ __forceinline__ void write_tile(const float* ysum, int warp_stride, int warps, int rows, int n0, int N,
-                                           float* y, bool accumulate, int lane) {
+                                           float* y, int lane) {
   for (int e = lane; e < rows * 16; e += 32) {
     const int r = e >> 4, nl = e & 15, n = n0 + nl;
     if (n >= N) continue;
     float v = 0.0f;
     for (int q = 0; q < warps; ++q) v += ysum[q * warp_stride + r * 16 + nl];
-    float* out = y + size_t(r) * N + n;
-    *out = accumulate ? *out + v : v;
+    y[size_t(r) * N + n] = v;
   }
 }
 
@@ -369,7 +358,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
   // Sum the tile's warps, then write y[r][n].
   __syncthreads();
   if (in_tile != 0 || n0 >= N) return;
-  write_tile(&ytile[warp][0][0], kMaxRows * 16, warps_per_tile, p.rows, n0, N, p.y, p.accumulate, lane);
+  write_tile(&ytile[warp][0][0], kMaxRows * 16, warps_per_tile, p.rows, n0, N, p.y, lane);
 }
 
 template <int RG, int MAXS, int RS, bool SPEC = false>
@@ -393,8 +382,8 @@ void launch_slots(DecodeParams& p, bool grouped, cudaStream_t stream) {
   if constexpr (RG == 2) {
     // 9–16 rows: both the base and the delta at once did not fit 128 registers without a smaller
     // load batch (slower); so 4 warps of the tile stream W and 4 take the slots (1, 2 or 4 each).
-    // (6 and 2 for up to 4 slots was slower: run 34.) The delta alone (accumulate): all 8 take slots.
-    const int delta_warps = p.accumulate ? kWarps : kWarps / 2;
+    // (6 and 2 for up to 4 slots was slower: run 34.)
+    constexpr int delta_warps = kWarps / 2;
     p.base_warps = kWarps - delta_warps;
     const int per = p.nslots <= delta_warps ? 1 : p.nslots <= 2 * delta_warps ? 2 : 4;
     p.slot_groups = (p.nslots + per - 1) / per;
@@ -502,7 +491,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_weff_kernel(const WeffP
   store_tile_sums<RG>(acc, &ytile[warp][0][0], t, gid);
   __syncthreads();
   if (kpart != 0 || n0 >= N) return;
-  write_tile(&ytile[warp][0][0], kMaxDecodeRows * 16, p.k_split, p.rows, n0, N, p.y, false, lane);
+  write_tile(&ytile[warp][0][0], kMaxDecodeRows * 16, p.k_split, p.rows, n0, N, p.y, lane);
 }
 
 template <int RG, int kU>
@@ -966,10 +955,18 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     else if (deltas[q].alpha != d.alpha || deltas[q].alpha_per_row != d.alpha_per_row)
       fail("cuda::fused_linear_decode: rows share signs ", d.signs, " but not alpha");
   }
-  if (options.delta_only) {
-    if (options.form_weights || options.kernel == DecodeKernel::kStream || options.kernel == DecodeKernel::kBalanced)
-      fail("cuda::fused_linear_decode: delta_only runs on the register kernel alone");
+  if (options.delta_only) {  // delta_terms.cuh: every row in one launch after x's quantization
+    if (options.form_weights || options.kernel != DecodeKernel::kAuto)
+      fail("cuda::fused_linear_decode: delta_only takes no kernel and no form_weights");
     if (variants == 0) return;  // nothing to add
+    const uint8_t* xq = options.xq;
+    if (xq && !aligned16(xq)) fail("cuda::fused_linear_decode: quantized x not 16-byte aligned");
+    if (!xq) {
+      auto* scratch = static_cast<uint8_t*>(stream_scratch(ScratchUse::kQuantizedX, stream, quantized_x_bytes(rows, K)));
+      quantize_x(x, rows, K, scratch, stream);
+      xq = scratch;
+    }
+    return delta_terms(xq, rows, N, K, deltas, y, stream);
   }
   if (options.form_weights) {
     if (options.kernel == DecodeKernel::kBalanced)
@@ -1000,7 +997,7 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     if (rows <= 24) return launch_weff<3, 1>(p, stream);
     return launch_weff<4, 1>(p, stream);
   }
-  const bool streaming = !options.delta_only && options.kernel != DecodeKernel::kRegisters &&
+  const bool streaming = options.kernel != DecodeKernel::kRegisters &&
                          stream_kernel_supports(w, K, x) &&
                          variants <= kMaxStreamVariants &&
                          (options.kernel == DecodeKernel::kStream || stream_kernel_preferred(N, K, rows));
@@ -1056,7 +1053,7 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   // One row: the balanced grid, which quantizes x itself, unless the register kernel's own grid was
   // asked for.
   const DeltaRef* row_delta = deltas[0].signs ? &deltas[0] : nullptr;
-  if (!streaming && rows == 1 && options.kernel != DecodeKernel::kRegisters && !options.delta_only) {
+  if (!streaming && rows == 1 && options.kernel != DecodeKernel::kRegisters) {
     const RowPlan plan = plan_row(N, K, row_delta != nullptr);
     if (plan.valid) return launch_row(plan, w, N, K, x, row_delta, y, p.aligned, stream);
   }
@@ -1082,10 +1079,6 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
       a.xq = p.xq;
     a.y = y, a.blocks = options.blocks, a.stages = options.stages;
     return fused_linear_stream(a, stream);
-  }
-  if (options.delta_only) {  // the specialized form with no base warps
-    p.accumulate = 1;
-    return launch_slots<2>(p, grouped, stream);
   }
   if (rows <= 8)
     launch_slots<1>(p, grouped, stream);

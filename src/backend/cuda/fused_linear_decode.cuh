@@ -80,9 +80,10 @@ struct DecodeOptions {
   // GPU); kStream or kRegisters: that one. Refused where rows differ or row 0 has no delta.
   bool form_weights = false;
   // y += the rows' delta terms alone, α ⊙ (x·Sᵀ): W is not read and rows without a delta add nothing
-  // (the register kernel, its delta warps only, 16 rows per launch). For a base computed apart, by a
-  // GEMM that reads W once for more rows than one register-kernel launch takes (where the streaming
-  // kernel does not run: device_model.cu).
+  // (delta_terms.cuh: all the rows in one launch, each variant's bits read once, after x's
+  // quantization unless xq passes it). For a base computed apart, by a GEMM that reads W once for
+  // more rows than one register-kernel launch takes (where the streaming kernel does not run:
+  // device_model.cu). Takes no kernel and no form_weights.
   bool delta_only = false;
 };
 

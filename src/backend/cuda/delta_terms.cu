@@ -1,0 +1,168 @@
+#include "delta_terms.cuh"
+
+#include <algorithm>
+#include <vector>
+
+#include "cuda_check.cuh"
+#include "delta_b1.cuh"
+#include "fused_linear_decode.cuh"
+#include "launch.cuh"
+#include "mma.cuh"
+
+namespace bitdelta::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kGroups = 4;  // row groups (16 output rows) per block
+constexpr int kCols = 2;    // 256-column blocks per load batch: kGroups × kCols sign fragments in flight
+
+// Up to RS rows of one variant.
+struct TermSlot {
+  const uint4* signs;
+  const float* alpha;
+  int per_row;
+  int n;       // rows (1..RS)
+  int row[2];  // rows of x and y
+};
+
+struct TermParams {
+  const uint8_t* xq;
+  int xq_block;  // bytes per 256-column block of xq (quantized_x_block)
+  float* y;
+  int N, K, KB, nslots;
+  TermSlot slots[kMaxDecodeRows];
+};
+
+template <int RS>
+__global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermParams p) {
+  pdl_launch_dependents();  // launch.cuh
+  __shared__ float part[kWarps][kGroups * RS * 16];  // per warp: [group][slot row][row of the group]
+  __shared__ float sq[RS];                           // per slot row: Σ over K of scale·Σq
+  const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31, g = lane >> 2, t = lane & 3;
+  const int s = int(blockIdx.x) % p.nslots, rg0 = int(blockIdx.x) / p.nslots * kGroups;
+  const TermSlot& slot = p.slots[s];
+  const int nrows = slot.n, RG = (p.N + 15) / 16;
+  // This warp's blocks of 256 columns.
+  const int kb0 = p.KB * warp / kWarps, kb1 = p.KB * (warp + 1) / kWarps;
+  int pw[4];
+  plane_weights(t, pw);
+  float acc[kGroups][RS][2] = {};
+  // Lane's fragment of (row group rg, block kb): slot.signs[(rg·KB + kb)·32 + lane]. Groups past the
+  // last read the last (their sums are dropped).
+  const uint4* sg[kGroups];
+#pragma unroll
+  for (int u = 0; u < kGroups; ++u) sg[u] = slot.signs + size_t(min(rg0 + u, RG - 1)) * p.KB * 32 + lane;
+  const uint4* planes = reinterpret_cast<const uint4*>(p.xq + kQuantizedPlanes);
+  const float2* scales = reinterpret_cast<const float2*>(p.xq);
+  const int pstride = p.xq_block >> 4, sstride = p.xq_block >> 3;
+  pdl_wait();  // x's quantized rows come from the launch before
+  for (int kb = kb0; kb < kb1; kb += kCols) {
+    uint4 a[kGroups][kCols], b[RS][kCols];
+    float sc[RS][kCols];
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int k = min(kb + j, kb1 - 1);
+#pragma unroll
+      for (int u = 0; u < kGroups; ++u) a[u][j] = ldg_stream(sg[u] + size_t(k) * 32);
+#pragma unroll
+      for (int i = 0; i < RS; ++i) {
+        const int r = slot.row[min(i, nrows - 1)];
+        b[i][j] = __ldcg(planes + size_t(k) * pstride + r * 32 + lane);
+        sc[i][j] = __ldcg(scales + size_t(k) * sstride + r).x;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      if (kb + j >= kb1) break;
+#pragma unroll
+      for (int i = 0; i < RS; ++i) {
+        if (i >= nrows) break;
+#pragma unroll
+        for (int u = 0; u < kGroups; ++u) delta_block(a[u][j], b[i][j], sc[i][j], pw, acc[u][i]);
+      }
+    }
+  }
+  // Each lane holds its planes' part of rows g and g + 8 of each group: summed over the 4 lanes of g.
+#pragma unroll
+  for (int u = 0; u < kGroups; ++u)
+#pragma unroll
+    for (int i = 0; i < RS; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = acc[u][i][h];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (t == 0) part[warp][(u * RS + i) * 16 + g + 8 * h] = v;
+      }
+  if (warp < nrows && warp < RS) {  // Σq's term of slot row `warp`
+    const int r = slot.row[warp];
+    float v = 0.0f;
+    for (int kb = lane; kb < p.KB; kb += 32) {
+      const float2 q = __ldcg(scales + size_t(kb) * sstride + r);
+      v += q.x * q.y;
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) sq[warp] = v;
+  }
+  __syncthreads();
+  // y[row][n] += α·(2·Σ_warps − Σq), the warps in order.
+  for (int e = int(threadIdx.x); e < kGroups * RS * 16; e += kWarps * 32) {
+    const int u = e / (RS * 16), i = e / 16 % RS, n = (rg0 + u) * 16 + e % 16;
+    if (i >= nrows || n >= p.N) continue;
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += part[w][e];
+    const float al = __ldg(slot.alpha + (slot.per_row ? n : 0));
+    float* out = p.y + size_t(slot.row[i]) * p.N + n;
+    *out += al * (2.0f * v - sq[i]);
+  }
+}
+
+}  // namespace
+
+void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const DeltaRef> deltas, float* y,
+                 cudaStream_t stream) {
+  if (rows < 1 || rows > kMaxDecodeRows) fail("cuda::delta_terms: ", rows, " rows (1..", kMaxDecodeRows, " allowed)");
+  if (int(deltas.size()) != rows) fail("cuda::delta_terms: ", deltas.size(), " deltas for ", rows, " rows");
+  if (N < 1 || K < 1) fail("cuda::delta_terms: empty weight [", N, ", ", K, "]");
+  if (reinterpret_cast<uintptr_t>(xq) & 15) fail("cuda::delta_terms: quantized x not 16-byte aligned");
+  // The rows of each variant, in order of first appearance.
+  std::vector<std::vector<int>> by_variant;
+  std::vector<const DeltaRef*> variant;
+  for (int r = 0; r < rows; ++r) {
+    const DeltaRef& d = deltas[size_t(r)];
+    if (!d.signs) continue;
+    if (!d.alpha) fail("cuda::delta_terms: row ", r, " has signs but no alpha");
+    if (reinterpret_cast<uintptr_t>(d.signs) & 15) fail("cuda::delta_terms: row ", r, "'s packed signs are not 16-byte aligned");
+    size_t v = 0;
+    while (v < variant.size() && variant[v]->signs != d.signs) ++v;
+    if (v == variant.size()) variant.push_back(&d), by_variant.emplace_back();
+    by_variant[v].push_back(r);
+  }
+  if (variant.empty()) return;
+  // Slots of up to RS rows: 2 where that makes fewer slots (each slot reads its variant's bits), else
+  // 1 (fewer accumulators). (4 rows took more than 128 registers: ptxas spilled 104 bytes.)
+  size_t with_delta = 0;
+  for (const auto& rv : by_variant) with_delta += rv.size();
+  const int RS = with_delta > variant.size() ? 2 : 1;
+  TermParams p{};
+  p.xq = xq, p.xq_block = quantized_x_block(rows), p.y = y, p.N = N, p.K = K, p.KB = sign_blocks(K);
+  for (size_t v = 0; v < variant.size(); ++v)
+    for (size_t a = 0; a < by_variant[v].size(); a += size_t(RS)) {
+      TermSlot& s = p.slots[p.nslots++];
+      s.signs = reinterpret_cast<const uint4*>(variant[v]->signs);
+      s.alpha = variant[v]->alpha;
+      s.per_row = variant[v]->alpha_per_row ? 1 : 0;
+      s.n = int(std::min(by_variant[v].size() - a, size_t(RS)));
+      for (int i = 0; i < s.n; ++i) s.row[i] = by_variant[v][a + size_t(i)];
+    }
+  const dim3 grid(unsigned(p.nslots * ((N + 16 * kGroups - 1) / (16 * kGroups))));
+  if (RS == 1)
+    launch_chained(delta_terms_kernel<1>, grid, dim3(kWarps * 32), 0, stream, p);
+  else
+    launch_chained(delta_terms_kernel<2>, grid, dim3(kWarps * 32), 0, stream, p);
+  BITDELTA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace bitdelta::cuda

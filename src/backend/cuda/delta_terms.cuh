@@ -1,0 +1,29 @@
+// The delta terms alone for up to 32 rows of several variants: y[r] += α_v(r) ⊙ (x[r]·S_v(r)ᵀ), W not
+// read. Where the streaming kernel does not run (GPUs without the sm_90a code), a decode step's rows
+// past the register kernel's 16 take the base of all of them through one GEMM (cuBLAS, W read once)
+// and then this (DecodeOptions::delta_only, device_model.cu).
+//
+// Bytes decide it: each variant's sign bits are read once from memory per call. A block takes one
+// slot (up to RS rows of one variant: 2 where a variant has more than one row, else 1) and 4 row groups of
+// 16 output rows; its 8 warps split K, each taking 2 blocks of 256 columns per load batch (8 sign
+// fragments of 16 bytes a lane in flight). The arithmetic is the decode kernels' 1-bit mma
+// (delta_b1.cuh) on x quantized by quantize_x, so the result rounds as theirs does. The warps' sums
+// meet in shared memory in a fixed order: the same floats on every run. The slots of one variant are
+// neighbouring blocks, so its bits come from memory once and from L2 for the others.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <span>
+
+#include "bitdelta/delta_ref.h"
+
+namespace bitdelta::cuda {
+
+// xq: the rows quantized by quantize_x (rows, K); deltas[r]: row r's variant (signs in the packed
+// layout, 16-byte aligned; rows without signs add nothing). y[rows, N] is added to.
+void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const DeltaRef> deltas, float* y,
+                 cudaStream_t stream);
+
+}  // namespace bitdelta::cuda
