@@ -30,20 +30,23 @@ struct TermParams {
   int xq_block;  // bytes per 256-column block of xq (quantized_x_block)
   float* y;
   int N, K, KB, nslots;
+  int wk;  // warps along K per row-group set (2, 4 or 8); the block's 8 / wk sets take kGroups groups each
   TermSlot slots[kMaxDecodeRows];
 };
 
 template <int RS>
 __global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermParams p) {
   pdl_launch_dependents();  // launch.cuh
-  __shared__ float part[kWarps][kGroups * RS * 16];  // per warp: [group][slot row][row of the group]
+  constexpr int kSetOut = kGroups * RS * 16;         // outputs of a set of kGroups row groups
+  __shared__ float part[kWarps][kSetOut];            // per warp: [group][slot row][row of the group]
   __shared__ float sq[RS];                           // per slot row: Σ over K of scale·Σq
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31, g = lane >> 2, t = lane & 3;
-  const int s = int(blockIdx.x) % p.nslots, rg0 = int(blockIdx.x) / p.nslots * kGroups;
+  const int sets = kWarps / p.wk, s = int(blockIdx.x) % p.nslots;
+  const int block_rg0 = int(blockIdx.x) / p.nslots * sets * kGroups, rg0 = block_rg0 + warp / p.wk * kGroups;
   const TermSlot& slot = p.slots[s];
   const int nrows = slot.n, RG = (p.N + 15) / 16;
-  // This warp's blocks of 256 columns.
-  const int kb0 = p.KB * warp / kWarps, kb1 = p.KB * (warp + 1) / kWarps;
+  // This warp's blocks of 256 columns: part warp % wk of K.
+  const int kp = warp % p.wk, kb0 = p.KB * kp / p.wk, kb1 = p.KB * (kp + 1) / p.wk;
   int pw[4];
   plane_weights(t, pw);
   float acc[kGroups][RS][2] = {};
@@ -55,15 +58,39 @@ __global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermP
   const uint4* planes = reinterpret_cast<const uint4*>(p.xq + kQuantizedPlanes);
   const float2* scales = reinterpret_cast<const float2*>(p.xq);
   const int pstride = p.xq_block >> 4, sstride = p.xq_block >> 3;
-  pdl_wait();  // x's quantized rows come from the launch before
+  // What the end needs goes out before the loop, so that its latency hides behind the loop's: thread
+  // tid < sets·kSetOut writes y[row i][n] of (set, group u, slot row i, row e % 16 of the group), e =
+  // tid % kSetOut; its α now (a weight), the y it adds to after the wait; warp i < RS sums slot row
+  // i's Σq term.
+  const int eset = int(threadIdx.x) / kSetOut, e = int(threadIdx.x) % kSetOut;
+  const int eu = e / (RS * 16), ei = e / 16 % RS, en = (block_rg0 + eset * kGroups + eu) * 16 + e % 16;
+  const bool writes = eset < sets && ei < nrows && en < p.N;
+  float al = 0.0f, y0 = 0.0f, q = 0.0f;
+  if (writes) al = __ldg(slot.alpha + (slot.per_row ? en : 0));
+  // The sign fragments of a batch (blocks kb .. kb + kCols − 1, the last repeated past kb1). The
+  // first batch goes out before the wait: the signs are weights (launch.cuh).
+  uint4 a[kGroups][kCols];
+  const auto load_signs = [&](int kb) {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j)
+#pragma unroll
+      for (int u = 0; u < kGroups; ++u) a[u][j] = ldg_stream(sg[u] + size_t(min(kb + j, kb1 - 1)) * 32);
+  };
+  if (kb0 < kb1) load_signs(kb0);
+  pdl_wait();  // x's quantized rows and y come from the launches before
+  float* out = writes ? p.y + size_t(slot.row[ei]) * p.N + en : nullptr;
+  if (writes) y0 = __ldcg(out);
+  if (warp < nrows && warp < RS)
+    for (int kb = lane; kb < p.KB; kb += 32) {
+      const float2 v = __ldcg(scales + size_t(kb) * sstride + slot.row[warp]);
+      q += v.x * v.y;
+    }
   for (int kb = kb0; kb < kb1; kb += kCols) {
-    uint4 a[kGroups][kCols], b[RS][kCols];
+    uint4 b[RS][kCols];
     float sc[RS][kCols];
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
       const int k = min(kb + j, kb1 - 1);
-#pragma unroll
-      for (int u = 0; u < kGroups; ++u) a[u][j] = ldg_stream(sg[u] + size_t(k) * 32);
 #pragma unroll
       for (int i = 0; i < RS; ++i) {
         const int r = slot.row[min(i, nrows - 1)];
@@ -81,6 +108,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermP
         for (int u = 0; u < kGroups; ++u) delta_block(a[u][j], b[i][j], sc[i][j], pw, acc[u][i]);
       }
     }
+    if (kb + kCols < kb1) load_signs(kb + kCols);
   }
   // Each lane holds its planes' part of rows g and g + 8 of each group: summed over the 4 lanes of g.
 #pragma unroll
@@ -95,27 +123,17 @@ __global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermP
         if (t == 0) part[warp][(u * RS + i) * 16 + g + 8 * h] = v;
       }
   if (warp < nrows && warp < RS) {  // Σq's term of slot row `warp`
-    const int r = slot.row[warp];
-    float v = 0.0f;
-    for (int kb = lane; kb < p.KB; kb += 32) {
-      const float2 q = __ldcg(scales + size_t(kb) * sstride + r);
-      v += q.x * q.y;
-    }
 #pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) sq[warp] = v;
+    for (int o = 16; o; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
+    if (lane == 0) sq[warp] = q;
   }
   __syncthreads();
-  // y[row][n] += α·(2·Σ_warps − Σq), the warps in order.
-  for (int e = int(threadIdx.x); e < kGroups * RS * 16; e += kWarps * 32) {
-    const int u = e / (RS * 16), i = e / 16 % RS, n = (rg0 + u) * 16 + e % 16;
-    if (i >= nrows || n >= p.N) continue;
+  // y[row][n] += α·(2·Σ_warps − Σq), the set's warps in order.
+  if (writes) {
     float v = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) v += part[w][e];
-    const float al = __ldg(slot.alpha + (slot.per_row ? n : 0));
-    float* out = p.y + size_t(slot.row[i]) * p.N + n;
-    *out += al * (2.0f * v - sq[i]);
+    for (int w = 0; w < p.wk; ++w) v += part[eset * p.wk + w][e];
+    *out = y0 + al * (2.0f * v - sq[ei]);
   }
 }
 
@@ -157,7 +175,13 @@ void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const Delt
       s.n = int(std::min(by_variant[v].size() - a, size_t(RS)));
       for (int i = 0; i < s.n; ++i) s.row[i] = by_variant[v][a + size_t(i)];
     }
-  const dim3 grid(unsigned(p.nslots * ((N + 16 * kGroups - 1) / (16 * kGroups))));
+  // Warps along K: the fewest (of 2, 4, 8) that leave each at most 4 blocks of 256 columns (2 load
+  // batches), and whose sets' outputs fit the block's threads (one each).
+  p.wk = 8;
+  for (int wk : {4, 2})
+    if (p.KB <= 4 * wk && kWarps / wk * kGroups * RS * 16 <= kWarps * 32) p.wk = wk;
+  const int rgs = kWarps / p.wk * kGroups;  // row groups per block
+  const dim3 grid(unsigned(p.nslots * ((N + 16 * rgs - 1) / (16 * rgs))));
   if (RS == 1)
     launch_chained(delta_terms_kernel<1>, grid, dim3(kWarps * 32), 0, stream, p);
   else
