@@ -69,6 +69,13 @@ constexpr size_t kGemmRowsBaseAlone = 12, kGemmRowsFusedAlone = 8;
 // the same 2 rows (one launch, W read once): at 2 rows it took 11-22% less time than the register
 // kernel's combined form at all five benchmark shapes (run 280, NOTES.md part 30).
 constexpr size_t kWeffRows = 2;
+// There too, a gathered run of rows of several variants (or of the base and variants) takes cuBLAS
+// for the base of all its rows and one launch of the delta terms (delta_terms.cuh) from this many
+// rows, instead of register-kernel launches that each read W and the variants' bits: the 7B mixed
+// step of 14 variants at batch 16 took 10.37 / 10.40 ms against 11.71 / 11.88, at 12 9.52 / 9.65
+// against 11.04 / 11.06, at 8 7.95 / 7.93 against 8.38 / 8.41 (run 301, compute_80 build; NOTES.md
+// part 33). Fewer rows were not measured.
+constexpr size_t kDeltaTermsRows = 8;
 // There, past those 32 rows a variant alone goes to PrefillLinear's kFused: the portable fused GEMM
 // (fused_gemm_mma.cuh) up to kPortableFusedRows rows, materialize past them. At 32 rows the portable
 // GEMM took 0.44–0.74× the time of what ran past 32 rows before (cuBLAS on the base, then the
@@ -552,7 +559,8 @@ struct DeviceModel::Impl {
   // rows with the same weight form a segment; inside it a variant with ≥ gemm_rows() rows goes
   // through a GEMM (cuBLAS for the base, the fused GEMM for a delta), the others through the fused decode
   // kernel, up to 32 rows (of any variants) per call, which reads the base once per launch (the
-  // streaming kernel takes all 32 in one; the register kernel, elsewhere, 16 at a time).
+  // streaming kernel takes all 32 in one; elsewhere, the register kernel takes fewer than
+  // kDeltaTermsRows, and from there cuBLAS takes the base and one launch the delta terms).
   void linear(const std::vector<const LinearOnDevice*>& lin, const bf16* xin, int K, float* y, int N) {
     const size_t R = lin.size();
     std::vector<DeltaRef> deltas;
@@ -590,10 +598,11 @@ struct DeviceModel::Impl {
       }
       deltas.clear();
       for (size_t i = a; i < b; ++i) deltas.push_back(lin[i]->delta);
-      if (!streams && b - a > size_t(kRegisterKernelRows)) {
-        // Without the streaming kernel, each register-kernel launch of 16 rows reads W again: the
-        // base of all the rows through one GEMM instead, then their delta terms added by one launch
-        // that reads each variant's signs once, not W (delta_terms.cuh). NOTES.md, parts 29 and 33.
+      if (!streams && b - a >= kDeltaTermsRows) {
+        // Without the streaming kernel, each register-kernel launch of 16 rows reads W again, and its
+        // delta slots are latency-bound: the base of all the rows through one GEMM instead, then
+        // their delta terms added by one launch that reads each variant's signs once, not W
+        // (delta_terms.cuh). NOTES.md, parts 29 and 33.
         prefill->run(PrefillMethod::kBaseOnly, lin[a]->w, N, K, xin + a * size_t(K), int(b - a), DeltaRef{},
                      y + a * size_t(N));
         DecodeOptions o;
