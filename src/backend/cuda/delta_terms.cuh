@@ -4,12 +4,14 @@
 // of them through one GEMM (cuBLAS, W read once) and then this (DecodeOptions::delta_only).
 //
 // Bytes decide it: each variant's sign bits are read once from memory per call. A block takes one
-// slot (up to RS rows of one variant: 2 where a variant has more than one row, else 1) and 4 row groups of
-// 16 output rows; its 8 warps split K, each taking 2 blocks of 256 columns per load batch (8 sign
-// fragments of 16 bytes a lane in flight). The arithmetic is the decode kernels' 1-bit mma
+// slot (up to RS rows of one variant: 2 where a variant has more than one row, else 1) and 1, 2 or 4
+// sets of 4 row groups (16 output rows each); the 8, 4 or 2 warps of a set split K, each taking 2
+// blocks of 256 columns per load batch (8 sign fragments of 16 bytes a lane in flight), the first
+// before the wait for the launch before. The arithmetic is the decode kernels' 1-bit mma
 // (delta_b1.cuh) on x quantized by quantize_x, so the result rounds as theirs does. The warps' sums
 // meet in shared memory in a fixed order: the same floats on every run. The slots of one variant are
-// neighbouring blocks, so its bits come from memory once and from L2 for the others.
+// neighbouring blocks, so its bits come from memory once and from L2 for the others. (Measured:
+// bench/cuda/NOTES.md, part 33.)
 #pragma once
 
 #include <cuda_runtime.h>
