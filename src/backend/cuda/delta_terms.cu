@@ -29,7 +29,7 @@ struct TermParams {
   const uint8_t* xq;
   int xq_block;  // bytes per 256-column block of xq (quantized_x_block)
   float* y;
-  int N, K, KB, nslots;
+  int N, KB, nslots;
   int wk;  // warps along K per row-group set (2, 4 or 8); the block's 8 / wk sets take kGroups groups each
   TermSlot slots[kMaxDecodeRows];
 };
@@ -165,7 +165,7 @@ void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const Delt
   for (const auto& rv : by_variant) with_delta += rv.size();
   const int RS = with_delta > variant.size() ? 2 : 1;
   TermParams p{};
-  p.xq = xq, p.xq_block = quantized_x_block(rows), p.y = y, p.N = N, p.K = K, p.KB = sign_blocks(K);
+  p.xq = xq, p.xq_block = quantized_x_block(rows), p.y = y, p.N = N, p.KB = sign_blocks(K);
   for (size_t v = 0; v < variant.size(); ++v)
     for (size_t a = 0; a < by_variant[v].size(); a += size_t(RS)) {
       TermSlot& s = p.slots[p.nslots++];
