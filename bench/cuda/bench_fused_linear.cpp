@@ -521,7 +521,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           reps);
       add({shape, "b: 16 rows 16 variants", form_name(f), t, bytes, roof, "x roofline"});
     }
-    {  // cuBLAS on the base + the delta terms alone (the engine's path for 4 or more gathered rows where
+    {  // cuBLAS on the base + the delta terms alone (the engine's path for 3 or more gathered rows where
        // the streaming kernel does not run, kDeltaTermsRows), at 16 rows: against the register kernel above
       const double t = time_us(
           [&](int s) {

@@ -1,6 +1,6 @@
 // The delta terms alone for up to 32 rows of several variants: y[r] += α_v(r) ⊙ (x[r]·S_v(r)ᵀ), W not
 // read. Where the streaming kernel does not run (GPUs without the sm_90a code), a decode step's
-// gathered rows of several variants, from 4 (kDeltaTermsRows, device_model.cu), take the base of all
+// gathered rows of several variants, from 3 (kDeltaTermsRows, device_model.cu), take the base of all
 // of them through one GEMM (cuBLAS, W read once) and then this (DecodeOptions::delta_only).
 //
 // Bytes decide it: each variant's sign bits are read once from memory per call. A block takes one

@@ -75,8 +75,9 @@ constexpr size_t kWeffRows = 2;
 // step of 14 variants on the compute_80 build, the register kernel against this, alternated twice
 // (runs 301, 303; NOTES.md part 33): batch 16 11.71 / 11.88 → 10.37 / 10.40 ms, 12 11.04 / 11.06 →
 // 9.52 / 9.65, 8 8.38 / 8.41 → 7.95 / 7.93, 6 8.00 / 8.05 → 7.40 / 7.31, 4 6.78 / 6.78 → 6.65 /
-// 6.70; at batch 2 the register kernel won (5.79 / 5.85 against 6.03 / 6.06). 3 rows not measured.
-constexpr size_t kDeltaTermsRows = 4;
+// 6.70; at batch 2 the register kernel won (5.79 / 5.85 against 6.03 / 6.06). At batch 3 (run 308,
+// NOTES.md part 34) 6.62 / 6.65 → 6.56 / 6.56 ms.
+constexpr size_t kDeltaTermsRows = 3;
 // There, past those 32 rows a variant alone goes to PrefillLinear's kFused: the portable fused GEMM
 // (fused_gemm_mma.cuh) up to kPortableFusedRows rows, materialize past them. At 32 rows the portable
 // GEMM took 0.44–0.74× the time of what ran past 32 rows before (cuBLAS on the base, then the

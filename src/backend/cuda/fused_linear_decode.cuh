@@ -82,7 +82,7 @@ struct DecodeOptions {
   // y += the rows' delta terms alone, α ⊙ (x·Sᵀ): W is not read and rows without a delta add nothing
   // (delta_terms.cuh: all the rows in one launch, each variant's bits read once, after x's
   // quantization unless xq passes it). For a base computed apart, by a GEMM that reads W once for all
-  // the rows (where the streaming kernel does not run, from 4 rows of several variants:
+  // the rows (where the streaming kernel does not run, from 3 rows of several variants:
   // device_model.cu). Takes no kernel and no form_weights.
   bool delta_only = false;
 };
