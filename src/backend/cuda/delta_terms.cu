@@ -47,8 +47,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermP
   const int nrows = slot.n, RG = (p.N + 15) / 16;
   // This warp's blocks of 256 columns: part warp % wk of K.
   const int kp = warp % p.wk, kb0 = p.KB * kp / p.wk, kb1 = p.KB * (kp + 1) / p.wk;
-  int pw[4];
-  plane_weights(t, pw);
+  // delta_b1.cuh: the plane weights relative to lane t's 2^(2t), which multiplies the sums once at the
+  // end (a power of two: the same floats as the full weights per block).
+  const int s2 = sign2(t);
   float acc[kGroups][RS][2] = {};
   // Lane's fragment of (row group rg, block kb): slot.signs[(rg·KB + kb)·32 + lane]. Groups past the
   // last read the last (their sums are dropped).
@@ -105,7 +106,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermP
       for (int i = 0; i < RS; ++i) {
         if (i >= nrows) break;
 #pragma unroll
-        for (int u = 0; u < kGroups; ++u) delta_block(a[u][j], b[i][j], sc[i][j], pw, acc[u][i]);
+        for (int u = 0; u < kGroups; ++u) delta_block_unshifted(a[u][j], b[i][j], sc[i][j], s2, acc[u][i]);
       }
     }
     if (kb + kCols < kb1) load_signs(kb + kCols);
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermP
     for (int i = 0; i < RS; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float v = acc[u][i][h];
+        float v = acc[u][i][h] * plane_shift(t);
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         v += __shfl_xor_sync(0xffffffffu, v, 2);
         if (t == 0) part[warp][(u * RS + i) * 16 + g + 8 * h] = v;

@@ -8,10 +8,12 @@
 // sets of 4 row groups (16 output rows each); the 8, 4 or 2 warps of a set split K, each taking 2
 // blocks of 256 columns per load batch (8 sign fragments of 16 bytes a lane in flight), the first
 // before the wait for the launch before. The arithmetic is the decode kernels' 1-bit mma
-// (delta_b1.cuh) on x quantized by quantize_x, so the result rounds as theirs does. The warps' sums
-// meet in shared memory in a fixed order: the same floats on every run. The slots of one variant are
-// neighbouring blocks, so its bits come from memory once and from L2 for the others. (Measured:
-// bench/cuda/NOTES.md, part 33.)
+// (delta_b1.cuh, the plane weights applied as the streaming kernel does) on x quantized by
+// quantize_x, so the result rounds as theirs does. The warps' sums meet in shared memory in a fixed
+// order: the same floats on every run. The slots of one variant are neighbouring blocks, so its bits
+// come from memory once and from L2 for the others. It is bound by issue and latency at 16 warps per
+// multiprocessor, not by bytes in flight: a ring of cp.async stages and a persistent form were slower
+// (measured: bench/cuda/NOTES.md, parts 33 and 34).
 #pragma once
 
 #include <cuda_runtime.h>
