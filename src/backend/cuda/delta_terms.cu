@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermP
   // This warp's blocks of 256 columns: part warp % wk of K.
   const int kp = warp % p.wk, kb0 = p.KB * kp / p.wk, kb1 = p.KB * (kp + 1) / p.wk;
   // delta_b1.cuh: the plane weights relative to lane t's 2^(2t), which multiplies the sums once at the
-  // end (a power of two: the same floats as the full weights per block).
+  // end (a power of two: the same floats as the full weights per block, unless subnormal).
   const int s2 = sign2(t);
   float acc[kGroups][RS][2] = {};
   // Lane's fragment of (row group rg, block kb): slot.signs[(rg·KB + kb)·32 + lane]. Groups past the
