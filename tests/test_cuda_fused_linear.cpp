@@ -240,8 +240,8 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect("decode slots/" + std::to_string(rps) + "  " + tag, dy.to_host(), ref, decode_bound);
     }
-    {  // The delta terms alone, added to y (DecodeOptions::delta_only: the engine's path for more rows
-       // of one weight than a register-kernel launch takes, where the streaming kernel does not run):
+    {  // The delta terms alone, added to y (DecodeOptions::delta_only: the engine's path for 3 or more
+       // gathered rows of several variants, where the streaming kernel does not run):
        // y holds the CPU's base beforehand, so y + the terms is the whole product. All rows in one
        // launch (delta_terms.cuh), x quantized by the call or before it; rows with no delta add
        // nothing; twice from the same y, the same floats (the warps' sums meet in a fixed order); a

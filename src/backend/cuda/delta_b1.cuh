@@ -46,9 +46,9 @@ __device__ __forceinline__ void delta_block(const uint4& a, const uint4& b, floa
 // sums by it once at the end (plane_shift): the weights relative to it are 1, 2, 2^8 and ±2^9 (the
 // sign for t = 3, plane 15), so the weighted sum is (lo₀ + 2·lo₁) + 2^8·(hi₀ + s·hi₁), s = ±2 (sign2),
 // three integer operations per output where the full weights took four. The factor being a power of
-// two, the sums are the same floats (unless subnormal). The streaming kernel uses it (runs 209-210), and the delta-terms
-// kernel (run 309: 5-7% less time for 32 rows of 14 variants); the register kernel still takes
-// delta_block, being bound by its reads of W at one row: moving it too is unmeasured.
+// two, the sums are the same floats (unless subnormal). The streaming kernel uses it (runs 209-210),
+// and the delta-terms kernel (run 309: 4.5-7% less time for 32 rows of 14 variants); the register
+// kernel still takes delta_block, being bound by its reads of W at one row: moving it is unmeasured.
 __device__ __forceinline__ int sign2(int t) { return t == 3 ? -2 : 2; }
 __device__ __forceinline__ float plane_shift(int t) { return float(1 << (2 * t)); }
 __device__ __forceinline__ void delta_block_unshifted(const uint4& a, const uint4& b, float scale, int s2,

@@ -48,9 +48,9 @@ constexpr size_t kDecodeRows = 32;          // rows per fused decode call (its l
 // and 48 rows it took 0.20–0.60× the time of the 16-row decode launches on all five layer shapes
 // (bench/RESULTS.md, case c'). Where the sm_90a GEMM does not run, a variant's rows take a GEMM from
 // 48: kFused, which there is the portable fused GEMM up to kPortableFusedRows rows and W_eff
-// materialized (≈ 3× the weight's bytes) past them. The 48 was measured with materialize, which won from about there
-// (7B-shaped decode at batch 32 of one variant: 16.1 ms through two fused launches per linear, 18.2
-// ms through W_eff + GEMM with kernel v6; bench/cuda/NOTES.md).
+// materialized (≈ 3× the weight's bytes) past them. The 48 was measured with materialize, which won
+// from about there (7B-shaped decode at batch 32 of one variant: 16.1 ms through two fused launches
+// per linear, 18.2 ms through W_eff + GEMM with kernel v6; bench/cuda/NOTES.md).
 // Where a variant's rows (or the base's) are all the rows of a weight (nothing to share a decode
 // launch's read of W with), a GEMM wins sooner. A variant: from 8 rows, where the fused GEMM took
 // 0.81–1.00× the time of one fused decode launch at 8, 12 and 16 rows on all five shapes (run 100,

@@ -574,7 +574,7 @@ __global__ void __launch_bounds__(kSplitWarps * 32) attention_split_kernel(const
 //   DG·g..DG·g + DG − 1 of each of its positions (contiguous), and the output it holds, columns 2t
 //   and 2t + 1 of every n-tile, is dims 2·DG·t..2·DG·t + 2·DG − 1 of head g.
 // (The mma itself: mma_bf16, mma.cuh.)
-//
+
 // Two floats as a bf16 pair (x low) and what their rounding left, likewise.
 __device__ __forceinline__ void split_bf16x2(float x, float y, uint32_t& hi, uint32_t& lo) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
