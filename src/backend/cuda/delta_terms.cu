@@ -68,48 +68,62 @@ __global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermP
   const bool writes = eset < sets && ei < nrows && en < p.N;
   float al = 0.0f, y0 = 0.0f, q = 0.0f;
   if (writes) al = __ldg(slot.alpha + (slot.per_row ? en : 0));
-  // The sign fragments of a batch (blocks kb .. kb + kCols − 1, the last repeated past kb1). The
-  // first batch goes out before the wait: the signs are weights (launch.cuh).
-  uint4 a[kGroups][kCols];
-  const auto load_signs = [&](int kb) {
+  // A batch: blocks kb .. kb + kCols − 1 (the last repeated past kb1), per block j the sign
+  // fragments a[·][j] and the slot rows' bit-planes b[·][j] and scales sc[·][j]. The next batch's
+  // signs and x are loaded together, in the same registers, as soon as they are free: with
+  // single-row slots block j's as soon as block j of this batch is done with, so that they are in
+  // flight during the rest of its work; with pairs after the whole batch (block by block was 1-4%
+  // slower there, run 311). Against x loaded at the top of each batch, just before its use, this
+  // took 4-6% off the delta terms of 32 rows of 14 variants and up to 3.6% off single-row slots
+  // (run 312, the compute_80 build; why pairs gain is not known: ptxas gives them 120 registers
+  // now, 128 before). The first batch's signs go out before the wait: they are
+  // weights (launch.cuh).
+  constexpr bool kEarly = RS == 1;
+  uint4 a[kGroups][kCols], b[RS][kCols];
+  float sc[RS][kCols];
+  const auto load_signs = [&](int kb, int j) {
 #pragma unroll
-    for (int j = 0; j < kCols; ++j)
-#pragma unroll
-      for (int u = 0; u < kGroups; ++u) a[u][j] = ldg_stream(sg[u] + size_t(min(kb + j, kb1 - 1)) * 32);
+    for (int u = 0; u < kGroups; ++u) a[u][j] = ldg_stream(sg[u] + size_t(min(kb + j, kb1 - 1)) * 32);
   };
-  if (kb0 < kb1) load_signs(kb0);
+  const auto load_x = [&](int kb, int j) {
+    const int k = min(kb + j, kb1 - 1);
+#pragma unroll
+    for (int i = 0; i < RS; ++i) {
+      const int r = slot.row[min(i, nrows - 1)];
+      b[i][j] = __ldcg(planes + size_t(k) * pstride + r * 32 + lane);
+      sc[i][j] = __ldcg(scales + size_t(k) * sstride + r).x;
+    }
+  };
+  if (kb0 < kb1)
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) load_signs(kb0, j);
   pdl_wait();  // x's quantized rows and y come from the launches before
   float* out = writes ? p.y + size_t(slot.row[ei]) * p.N + en : nullptr;
   if (writes) y0 = __ldcg(out);
+  if (kb0 < kb1)
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) load_x(kb0, j);
   if (warp < nrows && warp < RS)
     for (int kb = lane; kb < p.KB; kb += 32) {
       const float2 v = __ldcg(scales + size_t(kb) * sstride + slot.row[warp]);
       q += v.x * v.y;
     }
   for (int kb = kb0; kb < kb1; kb += kCols) {
-    uint4 b[RS][kCols];
-    float sc[RS][kCols];
+    const bool more = kb + kCols < kb1;
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
-      const int k = min(kb + j, kb1 - 1);
+      if (kb + j < kb1)
 #pragma unroll
-      for (int i = 0; i < RS; ++i) {
-        const int r = slot.row[min(i, nrows - 1)];
-        b[i][j] = __ldcg(planes + size_t(k) * pstride + r * 32 + lane);
-        sc[i][j] = __ldcg(scales + size_t(k) * sstride + r).x;
-      }
+        for (int i = 0; i < RS; ++i) {
+          if (i >= nrows) break;
+#pragma unroll
+          for (int u = 0; u < kGroups; ++u) delta_block_unshifted(a[u][j], b[i][j], sc[i][j], s2, acc[u][i]);
+        }
+      if (kEarly && more) load_signs(kb + kCols, j), load_x(kb + kCols, j);
     }
+    if (!kEarly && more)
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      if (kb + j >= kb1) break;
-#pragma unroll
-      for (int i = 0; i < RS; ++i) {
-        if (i >= nrows) break;
-#pragma unroll
-        for (int u = 0; u < kGroups; ++u) delta_block_unshifted(a[u][j], b[i][j], sc[i][j], s2, acc[u][i]);
-      }
-    }
-    if (kb + kCols < kb1) load_signs(kb + kCols);
+      for (int j = 0; j < kCols; ++j) load_signs(kb + kCols, j), load_x(kb + kCols, j);
   }
   // Each lane holds its planes' part of rows g and g + 8 of each group: summed over the 4 lanes of g.
 #pragma unroll
