@@ -257,7 +257,7 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       const std::vector<float> first = dyb.to_host();
       expect("decode delta only " + tag, first, ref, decode_bound);
       DeviceBuffer<uint8_t> dq(bcuda::quantized_x_bytes(rows, K));
-      bcuda::quantize_x(xb, rows, K, dq.ptr, nullptr);
+      bcuda::quantize_x(xb, rows, K, dq.ptr, nullptr, true);  // in pairs of blocks, as delta_only takes it
       DeviceBuffer<float> dyq(base);
       o.xq = dq.ptr;
       bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyq.ptr, nullptr, o);

@@ -23,6 +23,15 @@ __device__ __forceinline__ void mma_b1(int (&d)[4], const uint4& a, uint32_t b0,
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1), "r"(0));
 }
 
+// D += A·B: the same with C = D (popcounts of two blocks of 256 columns summed in the accumulator).
+__device__ __forceinline__ void mma_b1_add(int (&d)[4], const uint4& a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
 // The weights of lane t's bit-planes: 2t, 2t+1 (the first mma's D columns) and 2t+8, 2t+9 (the
 // second's); q = Σ w_p·bit_p with w_15 = −2^15 (two's complement).
 __device__ __forceinline__ void plane_weights(int t, int (&pw)[4]) {
@@ -47,8 +56,9 @@ __device__ __forceinline__ void delta_block(const uint4& a, const uint4& b, floa
 // sign for t = 3, plane 15), so the weighted sum is (lo₀ + 2·lo₁) + 2^8·(hi₀ + s·hi₁), s = ±2 (sign2),
 // three integer operations per output where the full weights took four. The factor being a power of
 // two, the sums are the same floats (unless subnormal). The streaming kernel uses it (runs 209-210),
-// and the delta-terms kernel (run 309: 4.5-7% less time for 32 rows of 14 variants); the register
-// kernel still takes delta_block, being bound by its reads of W at one row: moving it is unmeasured.
+// and the delta-terms kernel in its pair form below (run 309, single blocks: 4.5-7% less time for 32
+// rows of 14 variants); the register kernel still takes delta_block, being bound by its reads of W
+// at one row: moving it is unmeasured.
 __device__ __forceinline__ int sign2(int t) { return t == 3 ? -2 : 2; }
 __device__ __forceinline__ float plane_shift(int t) { return float(1 << (2 * t)); }
 __device__ __forceinline__ void delta_block_unshifted(const uint4& a, const uint4& b, float scale, int s2,
@@ -56,6 +66,21 @@ __device__ __forceinline__ void delta_block_unshifted(const uint4& a, const uint
   int lo[4], hi[4];
   mma_b1(lo, a, b.x, b.y);
   mma_b1(hi, a, b.z, b.w);
+  acc[0] += scale * float((lo[0] + 2 * lo[1]) + ((hi[0] + s2 * hi[1]) << 8));
+  acc[1] += scale * float((lo[2] + 2 * lo[3]) + ((hi[2] + s2 * hi[3]) << 8));
+}
+
+// delta_block_unshifted over two neighbouring blocks of 256 columns that share x's scale (x quantized
+// in pairs of blocks: quantize_item's pair_group): their popcounts add in the mma's accumulator, so the
+// weighting, the conversion and the multiply-add happen once for both. a1 and b1 are the second
+// block's (b1 zero where the pair has one block: it adds nothing). |sum| < 2^19: exact in the float.
+__device__ __forceinline__ void delta_pair_unshifted(const uint4& a0, const uint4& b0, const uint4& a1, const uint4& b1,
+                                                     float scale, int s2, float (&acc)[2]) {
+  int lo[4], hi[4];
+  mma_b1(lo, a0, b0.x, b0.y);
+  mma_b1(hi, a0, b0.z, b0.w);
+  mma_b1_add(lo, a1, b1.x, b1.y);
+  mma_b1_add(hi, a1, b1.z, b1.w);
   acc[0] += scale * float((lo[0] + 2 * lo[1]) + ((hi[0] + s2 * hi[1]) << 8));
   acc[1] += scale * float((lo[2] + 2 * lo[3]) + ((hi[2] + s2 * hi[3]) << 8));
 }
@@ -103,9 +128,11 @@ __device__ __forceinline__ void load_item(const __nv_bfloat16* x, int K, bool al
 // Item j of a 256-column block: its columns 32j.. (raw: load_item's), quantized by the 8 lanes of
 // `group` (one per item of the block, lanes 8i..8i + 7 of a warp, all taking part); the words of its
 // planes to frag (the block's 32 lanes' fragments: 128 words), and the block's (scale, Σq) to *scale
-// by item 0.
+// by item 0. With pair_group (the 16 lanes of this block and its neighbour, lanes 16i..16i + 15, all
+// taking part), the maximum, so the scale, is the two blocks' together (delta_pair_unshifted); Σq stays
+// the block's own. A null frag stores nothing (the missing half of a last pair, raw all zero).
 __device__ __forceinline__ void quantize_item(const uint32_t (&raw)[16], int j, unsigned group, uint32_t* frag,
-                                              float2* scale) {
+                                              float2* scale, unsigned pair_group = 0u) {
   const auto value = [&](int i) {
     return __uint_as_float(i & 1 ? raw[i >> 1] & 0xFFFF0000u : raw[i >> 1] << 16);
   };
@@ -117,6 +144,7 @@ __device__ __forceinline__ void quantize_item(const uint32_t (&raw)[16], int j, 
   float m = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
 #pragma unroll
   for (int o = 1; o < 8; o <<= 1) m = fmaxf(m, __shfl_xor_sync(group, m, o));
+  if (pair_group) m = fmaxf(m, __shfl_xor_sync(pair_group, m, 8));
   const float inv = m > 0.0f ? float(kQMax) / m : 0.0f;
   // q = round(v · inv), to nearest even as __float2int_rn, but on the full-rate float adder (the
   // conversion runs at a quarter of its rate): the product plus 1.5·2²³ is rounded to an integer
@@ -137,6 +165,7 @@ __device__ __forceinline__ void quantize_item(const uint32_t (&raw)[16], int j, 
   uint32_t sum = (s4[0] + s4[1]) + (s4[2] + s4[3]) - 32u * 0x4B400000u;
 #pragma unroll
   for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(group, sum, o);
+  if (!frag) return;
   bit_planes32(r);
   // Plane p of word j (columns 32j..) is register 2·(p / 8) + j / 4 of lane 4·(p % 8) + j % 4.
 #pragma unroll

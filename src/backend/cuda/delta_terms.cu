@@ -45,8 +45,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermP
   const int block_rg0 = int(blockIdx.x) / p.nslots * sets * kGroups, rg0 = block_rg0 + warp / p.wk * kGroups;
   const TermSlot& slot = p.slots[s];
   const int nrows = slot.n, RG = (p.N + 15) / 16;
-  // This warp's blocks of 256 columns: part warp % wk of K.
-  const int kp = warp % p.wk, kb0 = p.KB * kp / p.wk, kb1 = p.KB * (kp + 1) / p.wk;
+  // This warp's blocks of 256 columns: part warp % wk of K, in whole pairs of blocks (x's scale is a
+  // pair's: quantize_x with pairs), so kb0 is even.
+  const int KP = (p.KB + 1) / 2, kp = warp % p.wk;
+  const int kb0 = 2 * (KP * kp / p.wk), kb1 = min(p.KB, 2 * (KP * (kp + 1) / p.wk));
   // delta_b1.cuh: the plane weights relative to lane t's 2^(2t), which multiplies the sums once at the
   // end (a power of two: the same floats as the full weights per block, unless subnormal).
   const int s2 = sign2(t);
@@ -68,62 +70,61 @@ __global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermP
   const bool writes = eset < sets && ei < nrows && en < p.N;
   float al = 0.0f, y0 = 0.0f, q = 0.0f;
   if (writes) al = __ldg(slot.alpha + (slot.per_row ? en : 0));
-  // A batch: blocks kb .. kb + kCols − 1 (the last repeated past kb1), per block j the sign
-  // fragments a[·][j] and the slot rows' bit-planes b[·][j] and scales sc[·][j]. The next batch's
-  // signs and x are loaded together, in the same registers, as soon as they are free: with
-  // single-row slots block j's as soon as block j of this batch is done with, so that they are in
-  // flight during the rest of its work; with pairs after the whole batch (block by block was 1-4%
-  // slower there, run 311). Against x loaded at the top of each batch, just before its use, this
-  // took 4-6% off the delta terms of 32 rows of 14 variants and up to 3.6% off single-row slots
-  // (run 312, the compute_80 build; why pairs gain is not known: ptxas gives them 120 registers
-  // now, 128 before). The first batch's signs go out before the wait: they are
-  // weights (launch.cuh).
+  // A batch: a pair of blocks kb, kb + 1 (kCols), per block j the sign fragments a[·][j] and the slot
+  // rows' bit-planes b[·][j] (zero past kb1: a last pair of one block), and the pair's scales sc[·]
+  // (delta_pair_unshifted: the two blocks' popcounts add in the mma's accumulator). The next pair's
+  // signs and x are loaded as soon as their registers are free: with single-row slots each row
+  // group's signs as soon as its work is done, x after the pair; with pairs of slot rows all after
+  // the pair (run 311 measured the two orders on single blocks, run 312 loads of x with the signs'
+  // instead of just before their use: 4-6% faster at pairs of rows). Blocks in pairs against one
+  // block at a time (run 315, compute_80 build): single-row slots 1-6% faster, the 7B batch-8 mixed
+  // step 2.5-3%; pairs of rows 0-2%, the batch-32 step level. The first pair's signs go out before
+  // the wait: they are weights (launch.cuh).
   constexpr bool kEarly = RS == 1;
   uint4 a[kGroups][kCols], b[RS][kCols];
-  float sc[RS][kCols];
-  const auto load_signs = [&](int kb, int j) {
+  float sc[RS];
+  const auto load_signs = [&](int kb, int u) {
 #pragma unroll
-    for (int u = 0; u < kGroups; ++u) a[u][j] = ldg_stream(sg[u] + size_t(min(kb + j, kb1 - 1)) * 32);
+    for (int j = 0; j < kCols; ++j) a[u][j] = ldg_stream(sg[u] + size_t(min(kb + j, kb1 - 1)) * 32);
   };
-  const auto load_x = [&](int kb, int j) {
-    const int k = min(kb + j, kb1 - 1);
+  const auto load_x = [&](int kb) {
 #pragma unroll
     for (int i = 0; i < RS; ++i) {
       const int r = slot.row[min(i, nrows - 1)];
-      b[i][j] = __ldcg(planes + size_t(k) * pstride + r * 32 + lane);
-      sc[i][j] = __ldcg(scales + size_t(k) * sstride + r).x;
+      sc[i] = __ldcg(scales + size_t(kb) * sstride + r).x;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j)
+        b[i][j] = kb + j < kb1 ? __ldcg(planes + size_t(kb + j) * pstride + r * 32 + lane) : make_uint4(0, 0, 0, 0);
     }
   };
   if (kb0 < kb1)
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) load_signs(kb0, j);
+    for (int u = 0; u < kGroups; ++u) load_signs(kb0, u);
   pdl_wait();  // x's quantized rows and y come from the launches before
   float* out = writes ? p.y + size_t(slot.row[ei]) * p.N + en : nullptr;
   if (writes) y0 = __ldcg(out);
-  if (kb0 < kb1)
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) load_x(kb0, j);
+  if (kb0 < kb1) load_x(kb0);
   if (warp < nrows && warp < RS)
     for (int kb = lane; kb < p.KB; kb += 32) {
       const float2 v = __ldcg(scales + size_t(kb) * sstride + slot.row[warp]);
       q += v.x * v.y;
     }
+  static_assert(kCols == 2, "a batch is a pair of blocks");
   for (int kb = kb0; kb < kb1; kb += kCols) {
     const bool more = kb + kCols < kb1;
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      if (kb + j < kb1)
+    for (int u = 0; u < kGroups; ++u) {
 #pragma unroll
-        for (int i = 0; i < RS; ++i) {
-          if (i >= nrows) break;
-#pragma unroll
-          for (int u = 0; u < kGroups; ++u) delta_block_unshifted(a[u][j], b[i][j], sc[i][j], s2, acc[u][i]);
-        }
-      if (kEarly && more) load_signs(kb + kCols, j), load_x(kb + kCols, j);
+      for (int i = 0; i < RS; ++i) {
+        if (i >= nrows) break;
+        delta_pair_unshifted(a[u][0], b[i][0], a[u][1], b[i][1], sc[i], s2, acc[u][i]);
+      }
+      if (kEarly && more) load_signs(kb + kCols, u);
     }
     if (!kEarly && more)
 #pragma unroll
-      for (int j = 0; j < kCols; ++j) load_signs(kb + kCols, j), load_x(kb + kCols, j);
+      for (int u = 0; u < kGroups; ++u) load_signs(kb + kCols, u);
+    if (more) load_x(kb + kCols);
   }
   // Each lane holds its planes' part of rows g and g + 8 of each group: summed over the 4 lanes of g.
 #pragma unroll

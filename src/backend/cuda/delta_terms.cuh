@@ -5,11 +5,14 @@
 //
 // Bytes decide it: each variant's sign bits are read once from memory per call. A block takes one
 // slot (up to RS rows of one variant: 2 where a variant has more than one row, else 1) and 1, 2 or 4
-// sets of 4 row groups (16 output rows each); the 8, 4 or 2 warps of a set split K, each taking 2
-// blocks of 256 columns per load batch (8 sign fragments of 16 bytes a lane in flight), the first
-// before the wait for the launch before. The arithmetic is the decode kernels' 1-bit mma
+// sets of 4 row groups (16 output rows each); the 8, 4 or 2 warps of a set split K in pairs of
+// blocks of 256 columns, a pair per load batch (8 sign fragments of 16 bytes a lane in flight), the
+// first before the wait for the launch before. The arithmetic is the decode kernels' 1-bit mma
 // (delta_b1.cuh, the plane weights applied as the streaming kernel does) on x quantized by
-// quantize_x, so the result rounds as theirs does. The warps' sums meet in shared memory in a fixed
+// quantize_x, but with one scale per pair of blocks (the maximum over 512 columns), so that a pair's
+// popcounts add in the mma's accumulator and the rest of the arithmetic runs once per pair: its
+// rounding is not the other kernels' (measured: bench/cuda/NOTES.md, part 35; errors against the CPU
+// as small as theirs). The warps' sums meet in shared memory in a fixed
 // order: the same floats on every run. The slots of one variant are neighbouring blocks, so its bits
 // come from memory once and from L2 for the others. It is bound by issue and latency at 16 warps per
 // multiprocessor, not by bytes in flight: a ring of cp.async stages and a persistent form were slower
@@ -25,8 +28,9 @@
 
 namespace bitdelta::cuda {
 
-// xq: the rows quantized by quantize_x (rows, K); deltas[r]: row r's variant (signs in the packed
-// layout, 16-byte aligned; rows without signs add nothing). y[rows, N] is added to.
+// xq: the rows quantized by quantize_x in pairs (rows, K; quantize_x(..., pairs = true)); deltas[r]:
+// row r's variant (signs in the packed layout, 16-byte aligned; rows without signs add nothing).
+// y[rows, N] is added to.
 void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const DeltaRef> deltas, float* y,
                  cudaStream_t stream);
 

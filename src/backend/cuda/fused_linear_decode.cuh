@@ -65,8 +65,9 @@ struct DecodeOptions {
   int rows_per_slot = 0;
   DecodeKernel kernel = DecodeKernel::kAuto;
   int stages = 0;  // kStream: ring stages (0 = as many as fit one block per multiprocessor)
-  // x already quantized by quantize_x (these rows, this K; device memory), or null: kStream quantizes
-  // it in its blocks, the register kernel after a launch that does. (Ignored where the register
+  // x already quantized by quantize_x (these rows, this K; device memory; with delta_only, in pairs),
+  // or null: kStream quantizes it in its blocks, the register kernel and delta_only after a launch that
+  // does. (Ignored where the register
   // kernel takes more than 16 rows in two launches, and by kBalanced, which quantizes its one row of
   // x in each block's shared memory.)
   const uint8_t* xq = nullptr;
@@ -98,7 +99,9 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
 // bytes at xq (device memory, 16-byte aligned). fused_linear_decode does this itself unless
 // DecodeOptions::xq passes its result.
 size_t quantized_x_bytes(int rows, int K);
-void quantize_x(const __nv_bfloat16* x, int rows, int K, uint8_t* xq, cudaStream_t stream);
+// pairs: the scale of each pair of neighbouring 256-column blocks shared (the maximum over 512
+// columns): the form DecodeOptions::delta_only takes (delta_terms.cuh), and only it.
+void quantize_x(const __nv_bfloat16* x, int rows, int K, uint8_t* xq, cudaStream_t stream, bool pairs = false);
 // One row quantized the way kBalanced does it, in one block's shared memory, copied out in
 // quantize_x's layout: the same bytes (tests compare them).
 void quantize_x_in_block(const __nv_bfloat16* x, int K, uint8_t* xq, cudaStream_t stream);
