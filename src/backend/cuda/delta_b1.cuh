@@ -181,14 +181,18 @@ __device__ __forceinline__ void quantize_item_shared(const uint32_t (&raw)[16], 
 }
 
 // Item j of row r and 256-column block kb of x ([rows, K]) into xq, quantize_x's layout (blocks of
-// xq_block bytes): load_item, then quantize_item. The 8 lanes of the block's group take part.
+// xq_block bytes): load_item, then quantize_item. The 8 lanes of the block's group take part (with
+// pair_group, the 16 of its pair; a block past the last, `present` false, takes part with zeros and
+// stores nothing).
 __device__ __forceinline__ void quantize_x_item(const __nv_bfloat16* x, int K, bool aligned, int r, int kb, int j,
-                                                uint8_t* xq, int xq_block) {
-  uint32_t raw[16];
-  load_item(x + size_t(r) * K, K, aligned, kb * 256 + 32 * j, raw);
+                                                uint8_t* xq, int xq_block, unsigned pair_group = 0u,
+                                                bool present = true) {
+  uint32_t raw[16] = {};
+  if (present) load_item(x + size_t(r) * K, K, aligned, kb * 256 + 32 * j, raw);
   uint8_t* blk = xq + size_t(kb) * xq_block;
-  quantize_item(raw, j, 0xFFu << (threadIdx.x & 24), reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes) + r * 128,
-                reinterpret_cast<float2*>(blk) + r);
+  quantize_item(raw, j, 0xFFu << (threadIdx.x & 24),
+                present ? reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes) + r * 128 : nullptr,
+                reinterpret_cast<float2*>(blk) + r, pair_group);
 }
 
 // after_loads(): called once by every thread, after its first loads of x are issued.

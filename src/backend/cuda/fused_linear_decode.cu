@@ -791,29 +791,18 @@ void launch_row(const RowPlan& plan, const __nv_bfloat16* w, int N, int K, const
 // items in row order. (Until part 19: four warps per (row, block), each making a word of each lane's
 // fragment by 32 ballots. Alone, either takes 4.1–8.3 µs, mostly the launch: medians 5.6 and 5.6 µs
 // for 16 rows, runs 192–193.)
-// With pairs, a thread per item of pairs of blocks (16 items: blocks 2m and 2m + 1 of a row; the
-// second missing where KB is odd), the scale the pair's (delta_pair_unshifted).
+// With pairs, the items of pairs of blocks (blocks 2m and 2m + 1 of a row; the second missing where
+// KB is odd) in groups of 16 lanes, the scale the pair's (delta_pair_unshifted).
 constexpr int kPrepThreads = 128;
 __global__ void __launch_bounds__(kPrepThreads) prepare_x_kernel(const __nv_bfloat16* x, int rows, int K, int KB,
                                                                  bool aligned, uint8_t* xq, int xq_block, bool pairs) {
   pdl_launch_dependents();  // launch.cuh
   pdl_wait();
   const int a = blockIdx.x * kPrepThreads + threadIdx.x;
-  if (!pairs) {
-    if (a >= rows * KB * 8) return;  // whole groups of 8 lanes (8 items per block of K)
-    const int rk = a >> 3, r = rk / KB;
-    quantize_x_item(x, K, aligned, r, rk - r * KB, a & 7, xq, xq_block);
-    return;
-  }
-  const int KP = (KB + 1) / 2;
-  if (a >= rows * KP * 16) return;  // whole groups of 16 lanes (a pair)
-  const int rp = a >> 4, r = rp / KP, kb = 2 * (rp - r * KP) + ((a >> 3) & 1), j = a & 7;
-  uint32_t raw[16] = {};
-  if (kb < KB) load_item(x + size_t(r) * K, K, aligned, kb * 256 + 32 * j, raw);
-  uint8_t* blk = xq + size_t(kb) * xq_block;
-  quantize_item(raw, j, 0xFFu << (threadIdx.x & 24),
-                kb < KB ? reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes) + r * 128 : nullptr,
-                reinterpret_cast<float2*>(blk) + r, 0xFFFFu << (threadIdx.x & 16));
+  const int span = pairs ? 2 : 1, KS = (KB + span - 1) / span;  // blocks per scale, spans per row
+  if (a >= rows * KS * span * 8) return;  // whole groups of 8·span lanes (8 items per block of K)
+  const int rs = a / (8 * span), r = rs / KS, kb = span * (rs - r * KS) + (a >> 3) % span;
+  quantize_x_item(x, K, aligned, r, kb, a & 7, xq, xq_block, pairs ? 0xFFFFu << (threadIdx.x & 16) : 0u, kb < KB);
 }
 
 // quantize_x_in_block: one block quantizes x[K] in shared memory as the one-row kernel does, then
@@ -1104,7 +1093,7 @@ size_t quantized_x_bytes(int rows, int K) { return size_t(sign_blocks(K)) * quan
 
 void quantize_x(const __nv_bfloat16* x, int rows, int K, uint8_t* xq, cudaStream_t stream, bool pairs) {
   if (rows < 1 || rows > kMaxDecodeRows || K < 1) fail("cuda::quantize_x: ", rows, " rows of ", K, " columns");
-  const int KB = sign_blocks(K), items = pairs ? rows * ((KB + 1) / 2) * 16 : rows * KB * 8;
+  const int KB = sign_blocks(K), span = pairs ? 2 : 1, items = rows * ((KB + span - 1) / span) * span * 8;
   launch_chained(prepare_x_kernel, dim3(unsigned((items + kPrepThreads - 1) / kPrepThreads)), dim3(kPrepThreads), 0,
                  stream, x, rows, K, KB, aligned16(x) && K % 8 == 0, xq, quantized_x_block(rows), pairs);
   BITDELTA_CUDA_CHECK_LAUNCH();
