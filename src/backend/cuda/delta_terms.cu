@@ -13,8 +13,16 @@ namespace bitdelta::cuda {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kGroups = 4;  // row groups (16 output rows) per block
-constexpr int kCols = 2;    // 256-column blocks per load batch: kGroups × kCols sign fragments in flight
+constexpr int kCols = 2;  // 256-column blocks per load batch: groups × kCols sign fragments in flight
+// Per slot rows RS: the row groups (16 output rows) a warp takes, and the blocks per multiprocessor
+// its registers allow. Single-row slots take 2 groups at 4 blocks (64 registers, 32 warps), pairs of
+// rows 4 groups at 2 (118 registers). Run 318, against 4 groups at 2 blocks for both: single-row
+// slots 2-3% faster at the 11008 shapes, the 7B batch-8 mixed step 1.3%; pairs 5-9% slower with 2
+// groups (at 3 or 4 blocks), so they keep 4.
+template <int RS>
+constexpr int kGroupsOf = RS == 1 ? 2 : 4;
+template <int RS>
+constexpr int kBlocksOf = RS == 1 ? 4 : 2;
 
 // Up to RS rows of one variant.
 struct TermSlot {
@@ -30,13 +38,14 @@ struct TermParams {
   int xq_block;  // bytes per 256-column block of xq (quantized_x_block)
   float* y;
   int N, KB, nslots;
-  int wk;  // warps along K per row-group set (2, 4 or 8); the block's 8 / wk sets take kGroups groups each
+  int wk;  // warps along K per row-group set (2, 4 or 8); the block's 8 / wk sets take kGroupsOf<RS> groups each
   TermSlot slots[kMaxDecodeRows];
 };
 
 template <int RS>
-__global__ void __launch_bounds__(kWarps * 32, 2) delta_terms_kernel(const TermParams p) {
+__global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel(const TermParams p) {
   pdl_launch_dependents();  // launch.cuh
+  constexpr int kGroups = kGroupsOf<RS>;
   constexpr int kSetOut = kGroups * RS * 16;         // outputs of a set of kGroups row groups
   __shared__ float part[kWarps][kSetOut];            // per warp: [group][slot row][row of the group]
   __shared__ float sq[RS];                           // per slot row: Σ over K of scale·Σq
@@ -193,10 +202,11 @@ void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const Delt
     }
   // Warps along K: the fewest (of 2, 4, 8) that leave each at most 4 blocks of 256 columns (2 load
   // batches), and whose sets' outputs fit the block's threads (one each).
+  const int groups = RS == 1 ? kGroupsOf<1> : kGroupsOf<2>;
   p.wk = 8;
   for (int wk : {4, 2})
-    if (p.KB <= 4 * wk && kWarps / wk * kGroups * RS * 16 <= kWarps * 32) p.wk = wk;
-  const int rgs = kWarps / p.wk * kGroups;  // row groups per block
+    if (p.KB <= 4 * wk && kWarps / wk * groups * RS * 16 <= kWarps * 32) p.wk = wk;
+  const int rgs = kWarps / p.wk * groups;  // row groups per block
   const dim3 grid(unsigned(p.nslots * ((N + 16 * rgs - 1) / (16 * rgs))));
   if (RS == 1)
     launch_chained(delta_terms_kernel<1>, grid, dim3(kWarps * 32), 0, stream, p);
