@@ -145,7 +145,8 @@ TEST_F(GpuModel, FixturesOfEveryModelOfTheDemoFamily) {
 
 // One device step with rows of four variants at different lengths — decode rows (≤ 16 per fused
 // launch, so 20 of them need two), a 40-row prefill of one variant (a GEMM on W_eff) and a base
-// prefill (cuBLAS) — gives each sequence the logits the CPU computes for it alone.
+// prefill (cuBLAS) — gives each sequence the logits the CPU computes for it alone (and so do the
+// prompts before it, alone, through the caches they leave).
 TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
   Model gpu(kDemo / "base", on_cuda());
   Model cpu(kDemo / "base", 4);
@@ -162,6 +163,9 @@ TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
   for (int i = 0; i < 20; ++i) plans.push_back({i % 5, size_t(3 + i), 1});  // decode rows
   plans.push_back({2, 0, 70});  // prefill of a variant (a run of 64 or more rows: attention on GEMMs)
   plans.push_back({0, 5, 35});                                               // prefill of the base
+  // A decode row after a 28-row prompt of one variant alone: W_eff formed (the streaming or the
+  // register kernel), or where the sm_90a kernels do not run the portable GEMM (from 25 rows).
+  plans.push_back({4, 28, 1});
   auto token = [](size_t seq, size_t pos) { return int32_t(5 + (seq * 131 + pos * 17) % 4000); };
   std::vector<Sequence> gs, cs;
   for (size_t s = 0; s < plans.size(); ++s) {

@@ -68,7 +68,7 @@ constexpr size_t kGemmRowsBaseAlone = 12, kGemmRowsFusedAlone = 8;
 // Where the streaming kernel does not run, a variant alone takes the register kernel's W_eff form from
 // the same 2 rows (one launch, W read once): at 2 rows it took 11-22% less time than the register
 // kernel's combined form at all five benchmark shapes (run 280, NOTES.md part 30).
-constexpr size_t kWeffRows = 2;
+constexpr size_t kWeffRows = 2, kPortableGemmRowsAlone = 25;
 // There too, a gathered run of rows of several variants (or of the base and variants) takes cuBLAS
 // for the base of all its rows and one launch of the delta terms (delta_terms.cuh) from this many
 // rows, instead of register-kernel launches that each read W and the variants' bits. The 7B mixed
@@ -78,19 +78,27 @@ constexpr size_t kWeffRows = 2;
 // 6.70; at batch 2 the register kernel won (5.79 / 5.85 against 6.03 / 6.06). At batch 3 (run 308,
 // NOTES.md part 34) 6.62 / 6.65 → 6.56 / 6.56 ms.
 constexpr size_t kDeltaTermsRows = 3;
-// There, past those 32 rows a variant alone goes to PrefillLinear's kFused: the portable fused GEMM
-// (fused_gemm_mma.cuh) up to kPortableFusedRows rows, materialize past them. At 32 rows the portable
-// GEMM took 0.44–0.74× the time of what ran past 32 rows before (cuBLAS on the base, then the
-// delta-only launches; run 287, the five layer shapes), and at 33–64 rows 0.46–0.61× materialize's
-// (run 293, the engine's shapes). The 7B-shaped step at batch 48 of one variant on the compute_80
-// build: 16.67 ms materializing (run 287), 8.15 with it (run 294; the base 6.64).
+// There, from kPortableGemmRowsAlone rows a variant alone goes to PrefillLinear's kFused instead: the
+// portable fused GEMM (fused_gemm_mma.cuh) up to kPortableFusedRows rows, materialize past them. Its
+// time is about flat in the rows (W read once, memory-bound), while the W_eff form's grows with them:
+// run 322 (compute_80 build, the engine's four shapes, `--few-rows`) had the GEMM at 0.72-1.00×
+// the W_eff form's bytes per second at 2-16 rows, 0.83-1.13× at 17, 0.84-1.16× at 24 and
+// 0.95-1.31× at 32 (gate|up gains most; q|k|v still loses 5% at 32); the 7B-shaped step of one
+// variant at batch 16 6.93 / 6.96 → 7.58 / 7.61 ms with the GEMM from 9 rows, at batch 32 9.89 /
+// 9.92 → 9.10 / 9.12 with it from 17. So from 25, between the measured 24 (per layer +1%) and 32
+// (−10%). Earlier, at 32 rows the
+// portable GEMM took 0.44–0.74× the time of what ran past 32 rows before the W_eff form (cuBLAS on
+// the base, then the delta-only launches; run 287, the five layer shapes), and at 33–64 rows
+// 0.46–0.61× materialize's (run 293, the engine's shapes). The 7B-shaped step at batch 48 of one
+// variant on the compute_80 build: 16.67 ms materializing (run 287), 8.15 with it (run 294; the base
+// 6.64).
 // `portable`: it takes every linear's K. In mixed steps a variant's rows still take a GEMM from 48.
 // (DeviceModel::Impl::gemm_rows passes the device's answers.)
 size_t gemm_rows(bool with_delta, bool fused, bool alone, bool streams, bool portable) {
   if (streams && !with_delta) return kDecodeRows + 1;
   if (alone && !with_delta) return kGemmRowsBaseAlone;
   if (alone && fused) return kGemmRowsFusedAlone;
-  if (alone && portable) return kDecodeRows + 1;
+  if (alone && portable) return kPortableGemmRowsAlone;
   return !with_delta ? kGemmRowsBase : fused ? kGemmRowsFused : kGemmRowsMaterialize;
 }
 constexpr size_t kPrefillScratch = size_t(16) << 20;  // W_eff chunk elements (×2 buffers, bf16)
@@ -575,9 +583,10 @@ struct DeviceModel::Impl {
       };
       const size_t e = run_end(a);
       const bool alone = (a == 0 || !same_weight(a - 1)) && (e == R || !same_weight(e));  // the whole segment
-      if (alone && lin[a]->delta.signs && e - a >= kWeffRows && e - a <= kDecodeRows) {
+      if (alone && lin[a]->delta.signs && e - a >= kWeffRows && e - a <= kDecodeRows &&
+          (streams || !portable_gemm || e - a < kPortableGemmRowsAlone)) {
         // One variant: W_eff formed in the streaming kernel's stages, or elsewhere in the register
-        // kernel's registers; all the rows in one launch.
+        // kernel's registers (below the portable GEMM's rows); all the rows in one launch.
         deltas.assign(e - a, lin[a]->delta);
         DecodeOptions o;
         o.form_weights = true;
