@@ -68,7 +68,8 @@ constexpr size_t kGemmRowsBaseAlone = 12, kGemmRowsFusedAlone = 8;
 // Where the streaming kernel does not run, a variant alone takes the register kernel's W_eff form from
 // the same 2 rows (one launch, W read once): at 2 rows it took 11-22% less time than the register
 // kernel's combined form at all five benchmark shapes (run 280, NOTES.md part 30).
-constexpr size_t kWeffRows = 2, kPortableGemmRowsAlone = 25;
+constexpr size_t kWeffRows = 2, kPortableGemmRowsAlone = 25, kPortableGemmRowsAloneTall = 17,
+                 kPortableGemmTallN = 16384;
 // There too, a gathered run of rows of several variants (or of the base and variants) takes cuBLAS
 // for the base of all its rows and one launch of the delta terms (delta_terms.cuh) from this many
 // rows, instead of register-kernel launches that each read W and the variants' bits. The 7B mixed
@@ -86,7 +87,11 @@ constexpr size_t kDeltaTermsRows = 3;
 // 0.95-1.31× at 32 (gate|up gains most; q|k|v still loses 5% at 32); the 7B-shaped step of one
 // variant at batch 16 6.93 / 6.96 → 7.58 / 7.61 ms with the GEMM from 9 rows, at batch 32 9.89 /
 // 9.92 → 9.10 / 9.12 with it from 17. So from 25, between the measured 24 (per layer +1%) and 32
-// (−10%). Earlier, at 32 rows the
+// (−10%); but a weight of kPortableGemmTallN rows or more (gate|up, 22016 rows at 7B) from 17,
+// where its GEMM took 0.86-0.88× the W_eff form's time at 17-24 rows (1.13-1.16× its bytes/s). Run
+// 326, this per-shape rule against 25 for all, alternated twice: compute_80 build batch 17 7.89 /
+// 8.00 → 7.74 / 7.75 ms, 20 8.17 / 8.21 → 7.95 / 7.88, 24 8.61 / 8.58 → 8.25 / 8.31; compute_90
+// build batch 20 7.80 / 7.81 → 7.61 / 7.61, 24 8.21 / 8.32 → 7.94 / 7.93. Earlier, at 32 rows the
 // portable GEMM took 0.44–0.74× the time of what ran past 32 rows before the W_eff form (cuBLAS on
 // the base, then the delta-only launches; run 287, the five layer shapes), and at 33–64 rows
 // 0.46–0.61× materialize's (run 293, the engine's shapes). The 7B-shaped step at batch 48 of one
@@ -94,11 +99,13 @@ constexpr size_t kDeltaTermsRows = 3;
 // 6.64).
 // `portable`: it takes every linear's K. In mixed steps a variant's rows still take a GEMM from 48.
 // (DeviceModel::Impl::gemm_rows passes the device's answers.)
-size_t gemm_rows(bool with_delta, bool fused, bool alone, bool streams, bool portable) {
+size_t gemm_rows(bool with_delta, bool fused, bool alone, bool streams, bool portable, int N) {
   if (streams && !with_delta) return kDecodeRows + 1;
   if (alone && !with_delta) return kGemmRowsBaseAlone;
   if (alone && fused) return kGemmRowsFusedAlone;
-  if (alone && portable) return kPortableGemmRowsAlone;
+  if (alone && portable) {
+    return size_t(N) >= kPortableGemmTallN ? kPortableGemmRowsAloneTall : kPortableGemmRowsAlone;
+  }
   return !with_delta ? kGemmRowsBase : fused ? kGemmRowsFused : kGemmRowsMaterialize;
 }
 constexpr size_t kPrefillScratch = size_t(16) << 20;  // W_eff chunk elements (×2 buffers, bf16)
@@ -406,8 +413,9 @@ struct DeviceModel::Impl {
   // Where the sm_90a GEMM does not run: whether the portable fused GEMM takes every linear's K.
   bool portable_gemm = false;
   // Rows of one weight (and delta) from which a GEMM takes them, on this device.
-  size_t gemm_rows(bool with_delta, bool alone) const {
-    return cuda::gemm_rows(with_delta, prefill->fused_available(), alone, streams, portable_gemm);
+  size_t gemm_rows(bool with_delta, bool alone, int N = 0) const {
+    return cuda::gemm_rows(with_delta, prefill->fused_available(), alone, streams, portable_gemm,
+                           N);
   }
   mutable HostTier host_tier;
   std::string name;
@@ -584,7 +592,7 @@ struct DeviceModel::Impl {
       const size_t e = run_end(a);
       const bool alone = (a == 0 || !same_weight(a - 1)) && (e == R || !same_weight(e));  // the whole segment
       if (alone && lin[a]->delta.signs && e - a >= kWeffRows && e - a <= kDecodeRows &&
-          (streams || !portable_gemm || e - a < kPortableGemmRowsAlone)) {
+          (streams || !portable_gemm || e - a < gemm_rows(true, true, N))) {
         // One variant: W_eff formed in the streaming kernel's stages, or elsewhere in the register
         // kernel's registers (below the portable GEMM's rows); all the rows in one launch.
         deltas.assign(e - a, lin[a]->delta);
@@ -594,7 +602,7 @@ struct DeviceModel::Impl {
         a = e;
         continue;
       }
-      if (e - a >= gemm_rows(lin[a]->delta.signs, alone)) {
+      if (e - a >= gemm_rows(lin[a]->delta.signs, alone, N)) {
         const auto method = lin[a]->delta.signs ? PrefillMethod::kFused : PrefillMethod::kBaseOnly;
         prefill->run(method, lin[a]->w, N, K, xin + a * size_t(K), int(e - a), lin[a]->delta, y + a * size_t(N));
         a = e;
