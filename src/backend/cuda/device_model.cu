@@ -79,6 +79,15 @@ constexpr size_t kWeffRows = 2, kPortableGemmRowsAlone = 25, kPortableGemmRowsAl
 // 6.70; at batch 2 the register kernel won (5.79 / 5.85 against 6.03 / 6.06). At batch 3 (run 308,
 // NOTES.md part 34) 6.62 / 6.65 → 6.56 / 6.56 ms.
 constexpr size_t kDeltaTermsRows = 3;
+// Where the streaming kernel runs, gathered rows past its 32 take that route too (one GEMM for
+// the base of all of them, the delta terms in launches of 32 rows) rather than a second streaming
+// launch that reads W again; elsewhere the GEMM takes all of them, not 32 at a time. The 7B mixed
+// step of 14 variants, this against 32-row chunks (run 327, NOTES.md part 38), normal build: batch
+// 40 17.80 → 14.45 ms, 48 18.94 / 19.09 → 16.32 / 16.20, 64 20.88 / 20.84 → 19.35 / 19.19;
+// compute_80 build: 40 19.22 → 15.47, 48 20.37 / 19.89 → 16.38 / 16.33, 64 23.95 / 23.21 → 19.52 /
+// 19.46. At 32 rows the streaming kernel's one launch stays (11.6-11.9 ms here against the
+// compute_90 build's 11.9 through cuBLAS and the delta terms, run 321).
+constexpr size_t kGatherRowsStreams = kDecodeRows + 1;
 // There, from kPortableGemmRowsAlone rows a variant alone goes to PrefillLinear's kFused instead: the
 // portable fused GEMM (fused_gemm_mma.cuh) up to kPortableFusedRows rows, materialize past them. Its
 // time is about flat in the rows (W read once, memory-bound), while the W_eff form's grows with them:
@@ -608,28 +617,39 @@ struct DeviceModel::Impl {
         a = e;
         continue;
       }
-      // Small runs: gather up to 32 rows of this weight into one decode call.
+      // Small runs: the rows of this weight up to the next run that takes a GEMM (the runs that
+      // take one are sorted first, so these are usually the rest of the step).
       size_t b = a;
-      while (b < R && b - a < kDecodeRows && same_weight(b)) {
+      while (b < R && same_weight(b)) {
         const size_t re = run_end(b);
         if (re - b >= gemm_rows(lin[b]->delta.signs, false)) break;
-        b = std::min(re, a + kDecodeRows);
+        b = re;
       }
-      deltas.clear();
-      for (size_t i = a; i < b; ++i) deltas.push_back(lin[i]->delta);
-      if (!streams && b - a >= kDeltaTermsRows) {
-        // Without the streaming kernel, each register-kernel launch of 16 rows reads W again, and its
-        // delta slots are latency-bound: the base of all the rows through one GEMM instead, then
-        // their delta terms added by one launch that reads each variant's signs once, not W
-        // (delta_terms.cuh). NOTES.md, parts 29 and 33.
+      if (b - a >= (streams ? kGatherRowsStreams : kDeltaTermsRows)) {
+        // The base of all of them through one GEMM (W read once), then their delta terms added by
+        // launches of up to 32 rows that each read their variants' signs once, not W
+        // (delta_terms.cuh). Without the streaming kernel from kDeltaTermsRows rows: each
+        // register-kernel launch of 16 rows reads W again, and its delta slots are latency-bound
+        // (NOTES.md, parts 29 and 33). With it past its 32 rows, which would take a second launch
+        // reading W again.
         prefill->run(PrefillMethod::kBaseOnly, lin[a]->w, N, K, xin + a * size_t(K), int(b - a), DeltaRef{},
                      y + a * size_t(N));
         DecodeOptions o;
         o.delta_only = true;
-        fused_linear_decode(lin[a]->w, N, K, xin + a * size_t(K), int(b - a), deltas, y + a * size_t(N), ctx->stream, o);
+        for (size_t c = a; c < b; c += kDecodeRows) {
+          const size_t ce = std::min(b, c + kDecodeRows);
+          deltas.clear();
+          for (size_t i = c; i < ce; ++i) deltas.push_back(lin[i]->delta);
+          fused_linear_decode(lin[a]->w, N, K, xin + c * size_t(K), int(ce - c), deltas, y + c * size_t(N),
+                              ctx->stream, o);
+        }
         a = b;
         continue;
       }
+      // Else up to 32 of them in one decode call, which reads W once.
+      b = std::min(b, a + kDecodeRows);
+      deltas.clear();
+      for (size_t i = a; i < b; ++i) deltas.push_back(lin[i]->delta);
       fused_linear_decode(lin[a]->w, N, K, xin + a * size_t(K), int(b - a), deltas, y + a * size_t(N), ctx->stream);
       a = b;
     }
