@@ -85,8 +85,8 @@ constexpr size_t kDeltaTermsRows = 3;
 // step of 14 variants, this against 32-row chunks (run 327, NOTES.md part 38), normal build: batch
 // 40 17.80 → 14.45 ms, 48 18.94 / 19.09 → 16.32 / 16.20, 64 20.88 / 20.84 → 19.35 / 19.19;
 // compute_80 build: 40 19.22 → 15.47, 48 20.37 / 19.89 → 16.38 / 16.33, 64 23.95 / 23.21 → 19.52 /
-// 19.46. At 32 rows the streaming kernel's one launch stays (11.6-11.9 ms here against the
-// compute_90 build's 11.9 through cuBLAS and the delta terms, run 321).
+// 19.46. At 32 rows the streaming kernel's one launch stays (11.6-12.0 ms, runs 321 and 327,
+// against the compute_90 build's 11.9 through cuBLAS and the delta terms, run 321).
 constexpr size_t kGatherRowsStreams = kDecodeRows + 1;
 // There, from kPortableGemmRowsAlone rows a variant alone goes to PrefillLinear's kFused instead: the
 // portable fused GEMM (fused_gemm_mma.cuh) up to kPortableFusedRows rows, materialize past them. Its
@@ -97,7 +97,7 @@ constexpr size_t kGatherRowsStreams = kDecodeRows + 1;
 // variant at batch 16 6.93 / 6.96 → 7.58 / 7.61 ms with the GEMM from 9 rows, at batch 32 9.89 /
 // 9.92 → 9.10 / 9.12 with it from 17. So from 25, between the measured 24 (per layer +1%) and 32
 // (−10%); but a weight of kPortableGemmTallN rows or more (gate|up, 22016 rows at 7B) from 17,
-// where its GEMM took 0.86-0.88× the W_eff form's time at 17-24 rows (1.13-1.16× its bytes/s). Run
+// where its GEMM took 0.86-0.89× the W_eff form's time at 17-24 rows (1.13-1.16× its bytes/s). Run
 // 326, this per-shape rule against 25 for all, alternated twice: compute_80 build batch 17 7.89 /
 // 8.00 → 7.74 / 7.75 ms, 20 8.17 / 8.21 → 7.95 / 7.88, 24 8.61 / 8.58 → 8.25 / 8.31; compute_90
 // build batch 20 7.80 / 7.81 → 7.61 / 7.61, 24 8.21 / 8.32 → 7.94 / 7.93. Earlier, at 32 rows the
