@@ -647,6 +647,22 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       const double bytes_d = nv * (double(sbytes) + N * 4.0);
       const double td = time_us(delta_terms, reps);
       add({shape, "e: 32 rows 14 variants", "delta-only alone", td, bytes_d, bytes_d / copy_bw * 1e6, "x roofline"});
+      // The same 32 rows from fewer variants, more rows each (a half of a 64-row step of 14 variants
+      // has about 7, 4-5 rows each): the delta terms alone.
+      for (const int nf : {7, 4}) {
+        const double t_few = time_us(
+            [&](int s) {
+              DeltaRef d[32];
+              for (int r = 0; r < 32; ++r) d[r] = delta(s, r * nf / 32);
+              bcuda::DecodeOptions o;
+              o.delta_only = true;
+              bcuda::fused_linear_decode(W(s), N, K, X, 32, {d, 32}, Y, nullptr, o);
+            },
+            reps);
+        const double bytes_f = nf * (double(sbytes) + N * 4.0);
+        add({shape, "e: 32 rows " + std::to_string(nf) + " variants", "delta-only alone", t_few, bytes_f,
+             bytes_f / copy_bw * 1e6, "x roofline"});
+      }
     }
     if (profile_only || many_only) return;
   }
