@@ -42,7 +42,9 @@ struct TermParams {
   TermSlot slots[kMaxDecodeRows];
 };
 
-template <int RS>
+// kOuts: the block's outputs per thread (sets · kSetOut ≤ kOuts · 256; 2 where pairs of slot rows
+// take 2 warps along K).
+template <int RS, int kOuts>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel(const TermParams p) {
   pdl_launch_dependents();  // launch.cuh
   constexpr int kGroups = kGroupsOf<RS>;
@@ -71,14 +73,21 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel
   const float2* scales = reinterpret_cast<const float2*>(p.xq);
   const int pstride = p.xq_block >> 4, sstride = p.xq_block >> 3;
   // What the end needs goes out before the loop, so that its latency hides behind the loop's: thread
-  // tid < sets·kSetOut writes y[row i][n] of (set, group u, slot row i, row e % 16 of the group), e =
-  // tid % kSetOut; its α now (a weight), the y it adds to after the wait; warp i < RS sums slot row
-  // i's Σq term.
-  const int eset = int(threadIdx.x) / kSetOut, e = int(threadIdx.x) % kSetOut;
-  const int eu = e / (RS * 16), ei = e / 16 % RS, en = (block_rg0 + eset * kGroups + eu) * 16 + e % 16;
-  const bool writes = eset < sets && ei < nrows && en < p.N;
-  float al = 0.0f, y0 = 0.0f, q = 0.0f;
-  if (writes) al = __ldg(slot.alpha + (slot.per_row ? en : 0));
+  // tid writes the outputs f = tid + 256·o < sets·kSetOut, each y[row i][n] of (set f / kSetOut, group
+  // u, slot row i, row e % 16 of the group), e = f % kSetOut; their α now (weights), the y they add
+  // to after the wait; warp i < RS sums slot row i's Σq term.
+  int eset[kOuts], e[kOuts], ei[kOuts], en[kOuts];
+  bool writes[kOuts];
+  float al[kOuts], y0[kOuts], q = 0.0f;
+#pragma unroll
+  for (int o = 0; o < kOuts; ++o) {
+    const int f = int(threadIdx.x) + o * kWarps * 32;
+    eset[o] = f / kSetOut, e[o] = f % kSetOut, ei[o] = e[o] / 16 % RS;
+    en[o] = (block_rg0 + eset[o] * kGroups + e[o] / (RS * 16)) * 16 + e[o] % 16;
+    writes[o] = eset[o] < sets && ei[o] < nrows && en[o] < p.N;
+    al[o] = writes[o] ? __ldg(slot.alpha + (slot.per_row ? en[o] : 0)) : 0.0f;
+    y0[o] = 0.0f;
+  }
   // A batch: a pair of blocks kb, kb + 1 (kCols), per block j the sign fragments a[·][j] and the slot
   // rows' bit-planes b[·][j] (zero past kb1: a last pair of one block), and the pair's scales sc[·]
   // (delta_pair_unshifted: the two blocks' popcounts add in the mma's accumulator). The next pair's
@@ -110,8 +119,12 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel
 #pragma unroll
     for (int u = 0; u < kGroups; ++u) load_signs(kb0, u);
   pdl_wait();  // x's quantized rows and y come from the launches before
-  float* out = writes ? p.y + size_t(slot.row[ei]) * p.N + en : nullptr;
-  if (writes) y0 = __ldcg(out);
+  float* out[kOuts];
+#pragma unroll
+  for (int o = 0; o < kOuts; ++o) {
+    out[o] = writes[o] ? p.y + size_t(slot.row[ei[o]]) * p.N + en[o] : nullptr;
+    if (writes[o]) y0[o] = __ldcg(out[o]);
+  }
   if (kb0 < kb1) load_x(kb0);
   if (warp < nrows && warp < RS)
     for (int kb = lane; kb < p.KB; kb += 32) {
@@ -154,12 +167,14 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel
   }
   __syncthreads();
   // y[row][n] += α·(2·Σ_warps − Σq), the set's warps in order.
-  if (writes) {
-    float v = 0.0f;
 #pragma unroll
-    for (int w = 0; w < p.wk; ++w) v += part[eset * p.wk + w][e];
-    *out = y0 + al * (2.0f * v - sq[ei]);
-  }
+  for (int o = 0; o < kOuts; ++o)
+    if (writes[o]) {
+      float v = 0.0f;
+#pragma unroll
+      for (int w = 0; w < p.wk; ++w) v += part[eset[o] * p.wk + w][e[o]];
+      *out[o] = y0[o] + al[o] * (2.0f * v - sq[ei[o]]);
+    }
 }
 
 }  // namespace
@@ -200,18 +215,41 @@ void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const Delt
       s.n = int(std::min(by_variant[v].size() - a, size_t(RS)));
       for (int i = 0; i < s.n; ++i) s.row[i] = by_variant[v][a + size_t(i)];
     }
-  // Warps along K: the fewest (of 2, 4, 8) that leave each at most 4 blocks of 256 columns (2 load
-  // batches), and whose sets' outputs fit the block's threads (one each).
+  // Warps along K (2, 4 or 8; 8 / wk sets of row groups per block): the fewest that leave each warp
+  // at most 4 blocks of 256 columns (2 load batches) and whose sets' outputs fit the block's threads,
+  // one each. Pairs of slot rows may then take half as many, 8 blocks per warp and two outputs per
+  // thread, where that is estimated no slower: the estimate is the waves of blocks (kBlocksOf per
+  // multiprocessor) times the load batches per warp. Longer K ranges spread each warp's start and
+  // end (more than half of its instructions at 2 batches: run 332's SASS counts) over more work,
+  // but half as many blocks may leave the last wave short: run 333, with 2 warps along K wherever
+  // K = 4096, had 4096² with 18 slots (288 blocks for 264 block slots) 1-5% slower. With this
+  // estimate (run 334, 32 rows, the delta terms alone against 4 warps along K): 7-10% less time at
+  // 11008 × 4096 and 22016 × 4096 with 7 or 14 variants, 10-15% at 4096², 11008 × 4096 and 12288 ×
+  // 4096 with 4, level where it keeps 4. Single-row slots keep 4 blocks per warp (part 35 measured
+  // 8: mixed).
   const int groups = RS == 1 ? kGroupsOf<1> : kGroupsOf<2>;
+  const auto row_blocks = [&](int wk) {  // blocks per slot
+    const int rows_per_block = 16 * (kWarps / wk * groups);
+    return (N + rows_per_block - 1) / rows_per_block;
+  };
   p.wk = 8;
   for (int wk : {4, 2})
     if (p.KB <= 4 * wk && kWarps / wk * groups * RS * 16 <= kWarps * 32) p.wk = wk;
+  if (const int half = p.wk / 2; RS == 2 && half >= 2 && p.KB <= 8 * half) {
+    const int64_t resident = int64_t(kBlocksOf<2>) * multiprocessors(), KP = (p.KB + 1) / 2;
+    const auto cost = [&](int wk) {
+      return (int64_t(p.nslots) * row_blocks(wk) + resident - 1) / resident * ((KP + wk - 1) / wk);
+    };
+    if (cost(half) <= cost(p.wk)) p.wk = half;
+  }
   const int rgs = kWarps / p.wk * groups;  // row groups per block
-  const dim3 grid(unsigned(p.nslots * ((N + 16 * rgs - 1) / (16 * rgs))));
+  const dim3 grid(unsigned(p.nslots * row_blocks(p.wk)));
   if (RS == 1)
-    launch_chained(delta_terms_kernel<1>, grid, dim3(kWarps * 32), 0, stream, p);
+    launch_chained(delta_terms_kernel<1, 1>, grid, dim3(kWarps * 32), 0, stream, p);
+  else if (rgs * RS * 16 <= kWarps * 32)
+    launch_chained(delta_terms_kernel<2, 1>, grid, dim3(kWarps * 32), 0, stream, p);
   else
-    launch_chained(delta_terms_kernel<2>, grid, dim3(kWarps * 32), 0, stream, p);
+    launch_chained(delta_terms_kernel<2, 2>, grid, dim3(kWarps * 32), 0, stream, p);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 

@@ -708,14 +708,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   }
 }
 
-// Multiprocessors of the current device (the runtime answers from its cache).
-int multiprocessors() {
-  int dev = 0, sms = 0;
-  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
-  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
-
 // The balanced one-row kernel's grid and shared memory for [N, K] (with a delta or not); valid is
 // false where it does not apply: its shared memory would pass kRowSmemMax (x quantized, about 4 KB
 // per 1000 columns, and the warps' sums, 512 bytes per tile of the longest range).

@@ -24,6 +24,14 @@
 
 namespace bitdelta::cuda {
 
+// Multiprocessors of the current device (the runtime answers from its cache).
+inline int multiprocessors() {
+  int dev = 0, sms = 0;
+  BITDELTA_CUDA_CHECK(cudaGetDevice(&dev));
+  BITDELTA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
