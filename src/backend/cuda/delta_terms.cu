@@ -223,10 +223,10 @@ void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const Delt
   // end (more than half of its instructions at 2 batches: run 332's SASS counts) over more work,
   // but half as many blocks may leave the last wave short: run 333, with 2 warps along K wherever
   // K = 4096, had 4096² with 18 slots (288 blocks for 264 block slots) 1-5% slower. With this
-  // estimate (run 334, 32 rows, the delta terms alone against 4 warps along K): 7-10% less time at
-  // 11008 × 4096 and 22016 × 4096 with 7 or 14 variants, 10-15% at 4096², 11008 × 4096 and 12288 ×
-  // 4096 with 4, level where it keeps 4. Single-row slots keep 4 blocks per warp (part 35 measured
-  // 8: mixed).
+  // estimate (run 334, normal build, 32 rows, the delta terms alone against 4 warps along K): 7-10%
+  // less time at 11008 × 4096 and 22016 × 4096 with 7 or 14 variants, 10-15% at 4096², 11008 × 4096
+  // and 12288 × 4096 with 4 (the compute_80 build 8-10%), level where it keeps 4. Single-row slots
+  // keep 4 blocks per warp (part 35 measured 8: mixed).
   const int groups = RS == 1 ? kGroupsOf<1> : kGroupsOf<2>;
   const auto row_blocks = [&](int wk) {  // blocks per slot
     const int rows_per_block = 16 * (kWarps / wk * groups);
