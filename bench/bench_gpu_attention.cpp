@@ -1,7 +1,8 @@
 // Attention of decode rows over the KV cache on a CUDA device (issue 6): the tensor-core kernel
 // (head_dim 64 and 128; backend/cuda/ops.cu), against the byte roofline, for several positions per
 // block.
-//   bench_gpu_attention [--quick]
+//   bench_gpu_attention [--quick | --case HEADS KV_HEADS HEAD_DIM ROWS POSITIONS]
+// (--case: that one case alone, e.g. for a profiler.)
 // Every row of a case is at the same position n − 1 of its own sequence's cache. Bytes = each row's
 // keys and values once (rows × n × kv_dim × 2 × 2 B); with grouped-query heads the q heads of one kv
 // head re-read it (from L2 if it stays there). The roofline is that over the device-to-device copy
@@ -17,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -32,6 +34,13 @@ using bench::DeviceMem;
 int main(int argc, char** argv) {
   try {
     const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+    const bool one_case = argc > 1 && std::strcmp(argv[1], "--case") == 0;
+    if (one_case && argc != 7) fail("bench_gpu_attention: --case takes HEADS KV_HEADS HEAD_DIM ROWS POSITIONS");
+    const auto arg = [&](int i) {
+      const int v = std::atoi(argv[i]);
+      if (v < 1) fail("bench_gpu_attention: --case: '", argv[i], "' is not a positive integer");
+      return v;
+    };
     cudaDeviceProp prop{};
     BITDELTA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
@@ -42,10 +51,11 @@ int main(int argc, char** argv) {
     struct Config {
       int heads, kv_heads, head_dim;
     };
-    const std::vector<Config> configs = quick ? std::vector<Config>{{32, 32, 128}}
-                                              : std::vector<Config>{{32, 32, 128}, {32, 8, 128}};
-    const std::vector<int> row_counts = quick ? std::vector<int>{1, 32} : std::vector<int>{1, 8, 32, 64};
-    const std::vector<int> lengths = quick ? std::vector<int>{520} : std::vector<int>{520, 2048, 8192};
+    std::vector<Config> configs = quick ? std::vector<Config>{{32, 32, 128}}
+                                        : std::vector<Config>{{32, 32, 128}, {32, 8, 128}};
+    std::vector<int> row_counts = quick ? std::vector<int>{1, 32} : std::vector<int>{1, 8, 32, 64};
+    std::vector<int> lengths = quick ? std::vector<int>{520} : std::vector<int>{520, 2048, 8192};
+    if (one_case) configs = {{arg(2), arg(3), arg(4)}}, row_counts = {arg(5)}, lengths = {arg(6)};
     for (const Config& cf : configs) {
       const int kv_dim = cf.kv_heads * cf.head_dim, q_dim = cf.heads * cf.head_dim;
       for (const int n : lengths) {

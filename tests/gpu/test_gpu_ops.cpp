@@ -221,9 +221,11 @@ TEST_F(GpuOps, BiasRopeStoreAndAttentionOverTheCache) {
     // chosen (twice: the split counters must be back at zero after a launch), then for position 299
     // (10 chunks of 32) 128 (3 splits of 3–4 chunks, one per warp), 160 (2 splits of 5, two for warp
     // 0) and 4096 (one split, 3 chunks for warps 0 and 1); with one q head per block (what is chosen
-    // for so few rows) and with as many of a kv head as the kernel takes (split_heads 8).
+    // for so few rows) and with as many of a kv head as the kernel takes (split_heads 8); and 32 (10
+    // splits of one chunk each: warps 1-3 of every block without a chunk).
     const int n_decode = 4;
-    const std::pair<int, int> forms[] = {{0, 0}, {0, 0}, {128, 0}, {160, 0}, {4096, 0}, {0, 8}, {160, 8}, {4096, 8}};
+    const std::pair<int, int> forms[] = {{0, 0},   {0, 0}, {128, 0}, {160, 0}, {4096, 0},
+                                         {32, 0},  {0, 8}, {160, 8}, {4096, 8}};
     std::vector<std::unique_ptr<Buf<__nv_bfloat16>>> out_decode;
     for (const auto& [split_len, split_heads] : forms) {
       out_decode.push_back(std::make_unique<Buf<__nv_bfloat16>>(size_t(n_decode) * q_dim));
