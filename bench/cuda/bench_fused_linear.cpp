@@ -29,6 +29,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -314,6 +315,36 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   const std::string shape = std::to_string(N) + "x" + std::to_string(K);
   const int reps = profile_only ? 1 : wbytes > (200u << 20) ? 30 : 100;
   auto cublas_rows = [&](int rows, int s) { cublas_base(prefill, W(s), N, K, X, rows, Y); };
+  // cuBLAS on the base and the delta terms alone side by side: the terms on a second stream into a
+  // buffer of their own (added to, as delta_only does: its values do not matter here) while cuBLAS
+  // takes the base, then, with `add`, y += that buffer (cublasSaxpy) once both are done. Whether
+  // the two reads overlap, against one after the other ("cuBLAS + delta-only").
+  DeviceMem yd(size_t(32) * N * 4);
+  const auto side_by_side = [&](int s, std::span<const DeltaRef> d, bool add) {
+    static const cudaStream_t side = [] {
+      cudaStream_t st;
+      BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      return st;
+    }();
+    static cudaEvent_t fork = nullptr, join = nullptr;
+    if (!fork) {
+      BITDELTA_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+      BITDELTA_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+    }
+    const int rows = int(d.size());
+    BITDELTA_CUDA_CHECK(cudaEventRecord(fork, nullptr));
+    BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(side, fork));
+    bcuda::DecodeOptions o;
+    o.delta_only = true;
+    bcuda::fused_linear_decode(W(s), N, K, X, rows, d, static_cast<float*>(yd.ptr), side, o);
+    BITDELTA_CUDA_CHECK(cudaEventRecord(join, side));
+    cublas_rows(rows, s);
+    BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(nullptr, join));
+    if (add) {
+      const float one = 1.0f;
+      BITDELTA_CUBLAS_CHECK(cublasSaxpy(prefill.handle(), rows * N, &one, static_cast<const float*>(yd.ptr), 1, Y, 1));
+    }
+  };
 
   // (a) one row, one variant.
   if (!prefill_only && !many_only) {
@@ -534,6 +565,17 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           },
           reps);
       add({shape, "b: 16 rows 16 variants", "cuBLAS + delta-only", t, bytes, roof, "x roofline"});
+      for (const bool with_add : {false, true}) {
+        const double ts = time_us(
+            [&](int s) {
+              DeltaRef d[kVariants];
+              for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v);
+              side_by_side(s, {d, size_t(kVariants)}, with_add);
+            },
+            reps);
+        add({shape, "b: 16 rows 16 variants", with_add ? "cuBLAS | delta-only, + add" : "cuBLAS | delta-only, no add",
+             ts, bytes, roof, "x roofline"});
+      }
     }
     if (stream_runs) {  // x quantized before the call: the linear alone, and the quantizing launch alone
       DeviceMem xq(bcuda::quantized_x_bytes(kVariants, K));
@@ -643,6 +685,15 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           },
           reps);
       add({shape, "e: 32 rows 14 variants", "cuBLAS + delta-only", tdo, bytes_e, bytes_e / copy_bw * 1e6,
+           "x roofline"});
+      const double tsb = time_us(
+          [&](int s) {
+            DeltaRef d[32];
+            for (int r = 0; r < 32; ++r) d[r] = delta(s, r * nv / 32);
+            side_by_side(s, {d, 32}, true);
+          },
+          reps);
+      add({shape, "e: 32 rows 14 variants", "cuBLAS | delta-only, + add", tsb, bytes_e, bytes_e / copy_bw * 1e6,
            "x roofline"});
       const double bytes_d = nv * (double(sbytes) + N * 4.0);
       const double td = time_us(delta_terms, reps);
