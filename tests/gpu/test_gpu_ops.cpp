@@ -349,5 +349,23 @@ TEST_F(GpuOps, SwigluOverTheOutputOfAFusedGateUpLinear) {
   }
 }
 
+// y += d (a linear's delta terms computed beside its base, device_model.cu): the same float additions
+// as the CPU's, exactly; 4 floats a thread where the length and both pointers allow, else one (a
+// length not a multiple of 4, and d one float off 16-byte alignment).
+TEST_F(GpuOps, AddToAddsElementwise) {
+  for (const auto& [n, offset] : {std::pair<size_t, size_t>{3 * 11008, 0}, {3 * 11008 + 3, 0}, {4096, 1}}) {
+    SCOPED_TRACE(testing::Message() << "n " << n << ", d offset " << offset);
+    const auto y = randn(n, 50), d = randn(n + 1, 51);
+    Buf<float> dy(n), dd(n + 1);
+    dy.put(y);
+    dd.put(d);
+    cuda::add_to(dy.p, dd.p + offset, n, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> want(y);
+    for (size_t i = 0; i < n; ++i) want[i] += d[i + offset];
+    EXPECT_EQ(dy.get(), want);
+  }
+}
+
 }  // namespace
 }  // namespace bitdelta

@@ -79,15 +79,15 @@ constexpr size_t kWeffRows = 2, kPortableGemmRowsAlone = 25, kPortableGemmRowsAl
 // 6.70; at batch 2 the register kernel won (5.79 / 5.85 against 6.03 / 6.06). At batch 3 (run 308,
 // NOTES.md part 34) 6.62 / 6.65 → 6.56 / 6.56 ms.
 constexpr size_t kDeltaTermsRows = 3;
-// Where the streaming kernel runs, gathered rows past its 32 take that route too (one GEMM for
-// the base of all of them, the delta terms in launches of 32 rows) rather than a second streaming
-// launch that reads W again; elsewhere the GEMM takes all of them, not 32 at a time. The 7B mixed
-// step of 14 variants, this against 32-row chunks (run 327, NOTES.md part 38), normal build: batch
-// 40 17.80 → 14.45 ms, 48 18.94 / 19.09 → 16.32 / 16.20, 64 20.88 / 20.84 → 19.35 / 19.19;
-// compute_80 build: 40 19.22 → 15.47, 48 20.37 / 19.89 → 16.38 / 16.33, 64 23.95 / 23.21 → 19.52 /
-// 19.46. At 32 rows the streaming kernel's one launch stays (11.6-12.0 ms, runs 321 and 327,
-// against the compute_90 build's 11.9 through cuBLAS and the delta terms, run 321).
-constexpr size_t kGatherRowsStreams = kDecodeRows + 1;
+// Where the streaming kernel runs, gathered rows with a delta among them take that route too, from
+// the same kDeltaTermsRows (the base's GEMM and the delta terms side by side on two streams since
+// part 40: device_model.cu, linear()); rows of the base alone keep the streaming kernel up to 32.
+// Until part 38 rows past 32 went in 32-row chunks, each reading W again (run 327: batch 48 18.94 /
+// 19.09 → 16.32 / 16.20 ms, 64 20.88 / 20.84 → 19.35 / 19.19 on the normal build); until part 40 the
+// streaming kernel took up to 32 gathered rows in one launch. The 7B mixed step of 14 variants, the
+// normal build, the streaming kernel against the two streams (run 342, alternated twice, NOTES.md
+// part 40): batch 8 6.97 / 6.95 → 6.45 / 6.40 ms, 16 9.02 / 9.19 → 8.74 / 8.60, 32 11.49 / 11.51 →
+// 11.09 / 10.99.
 // There, from kPortableGemmRowsAlone rows a variant alone goes to PrefillLinear's kFused instead: the
 // portable fused GEMM (fused_gemm_mma.cuh) up to kPortableFusedRows rows, materialize past them. Its
 // time is about flat in the rows (W read once, memory-bound), while the W_eff form's grows with them:
@@ -123,15 +123,24 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // The device and the compute stream; everything allocated is freed in stream order on it, so a
 // buffer dropped between steps is reused only after the steps that read it.
+// `side`: a second stream for work that runs beside the compute stream's within a step (a linear's
+// delta terms beside its base), forked from it and joined back through the two events.
 struct Context {
   int device = 0;
-  cudaStream_t stream = nullptr;
+  cudaStream_t stream = nullptr, side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
   std::atomic<uint64_t> variant_bytes{0};  // the base's and every uploaded variant's device buffers
   ~Context() {
+    if (side) {
+      cudaStreamSynchronize(side);
+      cudaStreamDestroy(side);
+    }
     if (stream) {
       cudaStreamSynchronize(stream);
       cudaStreamDestroy(stream);
     }
+    if (fork) cudaEventDestroy(fork);
+    if (join) cudaEventDestroy(join);
   }
 };
 
@@ -587,7 +596,8 @@ struct DeviceModel::Impl {
   // through a GEMM (cuBLAS for the base, the fused GEMM for a delta), the others through the fused decode
   // kernel, up to 32 rows (of any variants) per call, which reads the base once per launch (the
   // streaming kernel takes all 32 in one; elsewhere, the register kernel takes fewer than
-  // kDeltaTermsRows, and from there cuBLAS takes the base and one launch the delta terms).
+  // kDeltaTermsRows). From kDeltaTermsRows rows with a delta among them, cuBLAS takes the base and,
+  // beside it on the side stream, launches of up to 32 rows the delta terms.
   void linear(const std::vector<const LinearOnDevice*>& lin, const bf16* xin, int K, float* y, int N) {
     const size_t R = lin.size();
     std::vector<DeltaRef> deltas;
@@ -625,24 +635,47 @@ struct DeviceModel::Impl {
         if (re - b >= gemm_rows(lin[b]->delta.signs, false)) break;
         b = re;
       }
-      if (b - a >= (streams ? kGatherRowsStreams : kDeltaTermsRows)) {
-        // The base of all of them through one GEMM (W read once), then their delta terms added by
-        // launches of up to 32 rows that each read their variants' signs once, not W
-        // (delta_terms.cuh). Without the streaming kernel from kDeltaTermsRows rows: each
-        // register-kernel launch of 16 rows reads W again, and its delta slots are latency-bound
-        // (NOTES.md, parts 29 and 33). With it past its 32 rows, which would take a second launch
-        // reading W again.
+      bool any_delta = false;
+      for (size_t i = a; i < b; ++i) any_delta = any_delta || lin[i]->delta.signs != nullptr;
+      if (b - a >= kDeltaTermsRows && !any_delta && !streams) {  // rows of the base alone: the GEMM
         prefill->run(PrefillMethod::kBaseOnly, lin[a]->w, N, K, xin + a * size_t(K), int(b - a), DeltaRef{},
                      y + a * size_t(N));
+        a = b;
+        continue;
+      }
+      if (b - a >= kDeltaTermsRows && any_delta) {
+        // The base of all of them through one GEMM (W read once), and beside it, on the side stream,
+        // their delta terms into a buffer of their own by launches of up to 32 rows that each read
+        // their variants' signs once, not W (delta_terms.cuh); once both are done, y += that buffer
+        // (ops.cuh add_to). Without the streaming kernel, against the register kernel: each of its
+        // launches of 16 rows reads W again, and its delta slots are latency-bound (NOTES.md, parts
+        // 29 and 33). With it, against its one launch of up to 32 rows (above, kDeltaTermsRows).
+        // Side by side the GEMM's reads of W and the terms' of the signs overlap:
+        // the 7B mixed step of 14 variants against the GEMM and then the terms on one stream (run
+        // 340, alternated twice, NOTES.md part 40): compute_80 build batch 8 7.46 / 7.50 → 6.78 /
+        // 6.74 ms, 16 9.96 / 9.92 → 9.14 / 9.16, 32 12.22 / 12.00 → 11.57 / 11.46; normal build
+        // batch 48 15.97 / 15.45 → 15.09 / 15.24, 64 19.22 / 18.89 → 18.96 / 18.73. The terms add
+        // to zeros, then to y: fl(base + fl(α·t)), where on one stream base + α·t could be one fused
+        // multiply-add (the same bound either way: the GPU tests).
+        const size_t n = (b - a) * size_t(N);
+        float* yd = static_cast<float*>(stream_scratch(ScratchUse::kDeltaTerms, ctx->stream, n * sizeof(float)));
+        BITDELTA_CUDA_CHECK(cudaEventRecord(ctx->fork, ctx->stream));
+        BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(ctx->side, ctx->fork));
+        BITDELTA_CUDA_CHECK(cudaMemsetAsync(yd, 0, n * sizeof(float), ctx->side));
         DecodeOptions o;
         o.delta_only = true;
         for (size_t c = a; c < b; c += kDecodeRows) {
           const size_t ce = std::min(b, c + kDecodeRows);
           deltas.clear();
           for (size_t i = c; i < ce; ++i) deltas.push_back(lin[i]->delta);
-          fused_linear_decode(lin[a]->w, N, K, xin + c * size_t(K), int(ce - c), deltas, y + c * size_t(N),
-                              ctx->stream, o);
+          fused_linear_decode(lin[a]->w, N, K, xin + c * size_t(K), int(ce - c), deltas, yd + (c - a) * size_t(N),
+                              ctx->side, o);
         }
+        BITDELTA_CUDA_CHECK(cudaEventRecord(ctx->join, ctx->side));
+        prefill->run(PrefillMethod::kBaseOnly, lin[a]->w, N, K, xin + a * size_t(K), int(b - a), DeltaRef{},
+                     y + a * size_t(N));
+        BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(ctx->stream, ctx->join));
+        add_to(y + a * size_t(N), yd, n, ctx->stream);
         a = b;
         continue;
       }
@@ -680,6 +713,9 @@ DeviceModel::DeviceModel(const ModelConfig& config, const VariantWeights& base, 
   uint64_t threshold = UINT64_MAX;
   BITDELTA_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
   BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&m.ctx->stream, cudaStreamNonBlocking));
+  BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&m.ctx->side, cudaStreamNonBlocking));
+  BITDELTA_CUDA_CHECK(cudaEventCreateWithFlags(&m.ctx->fork, cudaEventDisableTiming));
+  BITDELTA_CUDA_CHECK(cudaEventCreateWithFlags(&m.ctx->join, cudaEventDisableTiming));
   m.prefill = std::make_unique<PrefillLinear>(m.ctx->stream, kPrefillScratch);
   {
     const auto* aligned = reinterpret_cast<const bf16*>(uintptr_t(kAlign));  // not dereferenced

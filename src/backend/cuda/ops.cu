@@ -859,6 +859,25 @@ __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f
 // multiple of 4 and 16-byte aligned rows. One column per thread took 26.8 µs per launch at 512 rows
 // on the 7B shape (ncu, run 79).
 template <bool Vec>
+__global__ void add_to_kernel(float* y, const float* d, size_t n) {
+  pdl_launch_dependents();  // launch.cuh
+  pdl_wait();
+  const size_t step = size_t(gridDim.x) * blockDim.x;
+  if constexpr (Vec) {
+    float4* y4 = reinterpret_cast<float4*>(y);
+    const float4* d4 = reinterpret_cast<const float4*>(d);
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n / 4; i += step) {
+      float4 a = y4[i];
+      const float4 b = d4[i];
+      a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
+      y4[i] = a;
+    }
+  } else {
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) y[i] += d[i];
+  }
+}
+
+template <bool Vec>
 __global__ void swiglu_kernel(const float* gate, const float* up, int stride, int n, __nv_bfloat16* out) {
   pdl_launch_dependents();  // launch.cuh
   pdl_wait();
@@ -1094,6 +1113,18 @@ void attention_prompt(cublasHandle_t handle, const float* q, int q_stride, const
           out + size_t(first + i0) * q_dim + size_t(o) * head_dim, CUDA_R_16BF, q_dim, (long long)(g) * head_dim,
           kv_heads, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
+}
+
+void add_to(float* y, const float* d, size_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  const bool vec = n % 4 == 0 && (reinterpret_cast<uintptr_t>(y) & 15) == 0 && (reinterpret_cast<uintptr_t>(d) & 15) == 0;
+  const size_t items = vec ? n / 4 : n;
+  const unsigned blocks = unsigned(std::min<size_t>((items + 255) / 256, 1024));
+  if (vec)
+    launch_chained(add_to_kernel<true>, dim3(blocks), dim3(256), 0, stream, y, d, n);
+  else
+    launch_chained(add_to_kernel<false>, dim3(blocks), dim3(256), 0, stream, y, d, n);
+  BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,

@@ -94,6 +94,9 @@ void attention_prompt(cublasHandle_t handle, const float* q, int q_stride, const
                       int layer, int heads, int kv_heads, int head_dim, float scale, __nv_bfloat16* out,
                       cudaStream_t stream, size_t piece_bytes = size_t(256) << 20);
 
+// y[i] += d[i] for i < n (a linear's delta terms computed apart from its base: device_model.cu).
+void add_to(float* y, const float* d, size_t n, cudaStream_t stream);
+
 // out[r][i] = bf16(silu(gate[r·stride + i]) ⊙ up[r·stride + i]) for i < n; out is [rows, n].
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,
             cudaStream_t stream);

@@ -21,6 +21,7 @@ enum class ScratchUse {
   kPromptProbs,         // ... the probabilities in bf16
   kPrefillParts,        // the fused prefill GEMM: the sums of tiles split over blocks
   kPrefillCounters,     // ... and their arrival counters
+  kDeltaTerms,          // a linear's delta terms computed beside its base (device_model.cu)
 };
 
 // A buffer of at least `bytes` for `use` on the current device and `stream`. A larger request
