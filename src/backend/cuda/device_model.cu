@@ -81,16 +81,17 @@ constexpr size_t kWeffRows = 2, kPortableGemmRowsAlone = 25, kPortableGemmRowsAl
 constexpr size_t kDeltaTermsRows = 3;
 // Where the streaming kernel runs, gathered rows with a delta among them take that route too, from
 // the same kDeltaTermsRows (the base's GEMM and the delta terms side by side on two streams since
-// part 40: device_model.cu, linear()); rows of the base alone keep the streaming kernel up to 32.
+// part 40: linear() below); rows of the base alone keep the streaming kernel up to 32.
 // Until part 38 rows past 32 went in 32-row chunks, each reading W again (run 327: batch 48 18.94 /
 // 19.09 → 16.32 / 16.20 ms, 64 20.88 / 20.84 → 19.35 / 19.19 on the normal build); until part 40 the
 // streaming kernel took up to 32 gathered rows in one launch. The 7B mixed step of 14 variants, the
 // normal build, the streaming kernel against the two streams (run 342, alternated twice, NOTES.md
 // part 40): batch 8 6.97 / 6.95 → 6.45 / 6.40 ms, 16 9.02 / 9.19 → 8.74 / 8.60, 32 11.49 / 11.51 →
 // 11.09 / 10.99.
-// There, from kPortableGemmRowsAlone rows a variant alone goes to PrefillLinear's kFused instead: the
-// portable fused GEMM (fused_gemm_mma.cuh) up to kPortableFusedRows rows, materialize past them. Its
-// time is about flat in the rows (W read once, memory-bound), while the W_eff form's grows with them:
+// Where it does not run, from kPortableGemmRowsAlone rows a variant alone goes to PrefillLinear's
+// kFused: the portable fused GEMM (fused_gemm_mma.cuh) up to kPortableFusedRows rows, materialize past
+// them. Its time is about flat in the rows (W read once, memory-bound), while the W_eff form's grows
+// with them:
 // run 322 (compute_80 build, the engine's four shapes, `--few-rows`) had the GEMM at 0.72-1.00×
 // the W_eff form's bytes per second at 2-16 rows, 0.83-1.13× at 17, 0.84-1.16× at 24 and
 // 0.95-1.31× at 32 (gate|up gains most; q|k|v still loses 5% at 32); the 7B-shaped step of one
