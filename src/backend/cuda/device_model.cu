@@ -638,13 +638,8 @@ struct DeviceModel::Impl {
       }
       bool any_delta = false;
       for (size_t i = a; i < b; ++i) any_delta = any_delta || lin[i]->delta.signs != nullptr;
-      if (b - a >= kDeltaTermsRows && !any_delta && !streams) {  // rows of the base alone: the GEMM
-        prefill->run(PrefillMethod::kBaseOnly, lin[a]->w, N, K, xin + a * size_t(K), int(b - a), DeltaRef{},
-                     y + a * size_t(N));
-        a = b;
-        continue;
-      }
-      if (b - a >= kDeltaTermsRows && any_delta) {
+      // (Rows of the base alone keep the streaming kernel where it runs; elsewhere the GEMM alone.)
+      if (b - a >= kDeltaTermsRows && (any_delta || !streams)) {
         // The base of all of them through one GEMM (W read once), and beside it, on the side stream,
         // their delta terms into a buffer of their own by launches of up to 32 rows that each read
         // their variants' signs once, not W (delta_terms.cuh); once both are done, y += that buffer
@@ -659,24 +654,29 @@ struct DeviceModel::Impl {
         // to zeros, then to y: fl(base + fl(α·t)), where on one stream base + α·t could be one fused
         // multiply-add (the same bound either way: the GPU tests).
         const size_t n = (b - a) * size_t(N);
-        float* yd = static_cast<float*>(stream_scratch(ScratchUse::kDeltaTerms, ctx->stream, n * sizeof(float)));
-        BITDELTA_CUDA_CHECK(cudaEventRecord(ctx->fork, ctx->stream));
-        BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(ctx->side, ctx->fork));
-        BITDELTA_CUDA_CHECK(cudaMemsetAsync(yd, 0, n * sizeof(float), ctx->side));
-        DecodeOptions o;
-        o.delta_only = true;
-        for (size_t c = a; c < b; c += kDecodeRows) {
-          const size_t ce = std::min(b, c + kDecodeRows);
-          deltas.clear();
-          for (size_t i = c; i < ce; ++i) deltas.push_back(lin[i]->delta);
-          fused_linear_decode(lin[a]->w, N, K, xin + c * size_t(K), int(ce - c), deltas, yd + (c - a) * size_t(N),
-                              ctx->side, o);
+        float* yd = nullptr;
+        if (any_delta) {
+          yd = static_cast<float*>(stream_scratch(ScratchUse::kDeltaTerms, ctx->stream, n * sizeof(float)));
+          BITDELTA_CUDA_CHECK(cudaEventRecord(ctx->fork, ctx->stream));
+          BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(ctx->side, ctx->fork));
+          BITDELTA_CUDA_CHECK(cudaMemsetAsync(yd, 0, n * sizeof(float), ctx->side));
+          DecodeOptions o;
+          o.delta_only = true;
+          for (size_t c = a; c < b; c += kDecodeRows) {
+            const size_t ce = std::min(b, c + kDecodeRows);
+            deltas.clear();
+            for (size_t i = c; i < ce; ++i) deltas.push_back(lin[i]->delta);
+            fused_linear_decode(lin[a]->w, N, K, xin + c * size_t(K), int(ce - c), deltas,
+                                yd + (c - a) * size_t(N), ctx->side, o);
+          }
+          BITDELTA_CUDA_CHECK(cudaEventRecord(ctx->join, ctx->side));
         }
-        BITDELTA_CUDA_CHECK(cudaEventRecord(ctx->join, ctx->side));
         prefill->run(PrefillMethod::kBaseOnly, lin[a]->w, N, K, xin + a * size_t(K), int(b - a), DeltaRef{},
                      y + a * size_t(N));
-        BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(ctx->stream, ctx->join));
-        add_to(y + a * size_t(N), yd, n, ctx->stream);
+        if (any_delta) {
+          BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(ctx->stream, ctx->join));
+          add_to(y + a * size_t(N), yd, n, ctx->stream);
+        }
         a = b;
         continue;
       }

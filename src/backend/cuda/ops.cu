@@ -855,9 +855,7 @@ __global__ void causal_softmax_kernel(const float* scores, int n, int ld, int p0
 
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// Row blockIdx.y; Vec: 4 columns per thread (float4 loads, 8-byte stores), for n, stride a
-// multiple of 4 and 16-byte aligned rows. One column per thread took 26.8 µs per launch at 512 rows
-// on the 7B shape (ncu, run 79).
+// y[i] += d[i]; Vec: 4 floats per thread (n a multiple of 4, both arrays 16-byte aligned).
 template <bool Vec>
 __global__ void add_to_kernel(float* y, const float* d, size_t n) {
   pdl_launch_dependents();  // launch.cuh
@@ -877,6 +875,9 @@ __global__ void add_to_kernel(float* y, const float* d, size_t n) {
   }
 }
 
+// Row blockIdx.y; Vec: 4 columns per thread (float4 loads, 8-byte stores), for n, stride a
+// multiple of 4 and 16-byte aligned rows. One column per thread took 26.8 µs per launch at 512 rows
+// on the 7B shape (ncu, run 79).
 template <bool Vec>
 __global__ void swiglu_kernel(const float* gate, const float* up, int stride, int n, __nv_bfloat16* out) {
   pdl_launch_dependents();  // launch.cuh
