@@ -27,17 +27,21 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/delta_terms_beside.cuh"
 #include "backend/cuda/fused_linear_decode.cuh"
 #include "backend/cuda/fused_linear_stream.cuh"
 #include "backend/cuda/fused_linear_prefill.cuh"
+#include "backend/cuda/ops.cuh"
 #include "common.h"
 #include "read_floor.h"
 #include "tile_read.h"
@@ -315,35 +319,56 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   const std::string shape = std::to_string(N) + "x" + std::to_string(K);
   const int reps = profile_only ? 1 : wbytes > (200u << 20) ? 30 : 100;
   auto cublas_rows = [&](int rows, int s) { cublas_base(prefill, W(s), N, K, X, rows, Y); };
-  // cuBLAS on the base and the delta terms alone side by side: the terms on a second stream into a
-  // buffer of their own (added to, as delta_only does: its values do not matter here) while cuBLAS
-  // takes the base, then, with `add`, y += that buffer (cublasSaxpy) once both are done. Whether
-  // the two reads overlap, against one after the other ("cuBLAS + delta-only").
+  // The engine's route for gathered rows of several variants (device_model.cu linear()), through
+  // the same calls: a second stream zeroes a buffer and adds the delta terms to it
+  // (DeltaTermsBeside) while cuBLAS takes the base (PrefillLinear, kBaseOnly); the join; then, with
+  // `add`, y += the buffer (add_to). Without, the linear ends at the join: in the engine the kernel
+  // that consumes y then reads the buffer too (ops.cuh, terms), rows·N·4 bytes more there. As the
+  // engine's decode step is, the calls are captured into a CUDA graph and replayed: `chain` routes
+  // of consecutive weight sets in one graph (made on first use, after one uncaptured run of each),
+  // timed per route; with `chain` 0 they are issued one by one (9 calls: at 4096² they took longer to
+  // issue than the GPU's work, run 343).
   DeviceMem yd(size_t(32) * N * 4);
-  const auto side_by_side = [&](int s, std::span<const DeltaRef> d, bool add) {
-    static const cudaStream_t side = [] {
-      cudaStream_t st;
-      BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-      return st;
-    }();
-    static cudaEvent_t fork = nullptr, join = nullptr;
-    if (!fork) {
-      BITDELTA_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-      BITDELTA_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
-    }
+  static bcuda::DeltaTermsBeside beside;
+  static const cudaStream_t capture = [] {
+    cudaStream_t st;
+    BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    return st;
+  }();
+  const auto route = [&](int s, std::span<const DeltaRef> d, bool add, cudaStream_t st) {
     const int rows = int(d.size());
-    BITDELTA_CUDA_CHECK(cudaEventRecord(fork, nullptr));
-    BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(side, fork));
-    bcuda::DecodeOptions o;
-    o.delta_only = true;
-    bcuda::fused_linear_decode(W(s), N, K, X, rows, d, static_cast<float*>(yd.ptr), side, o);
-    BITDELTA_CUDA_CHECK(cudaEventRecord(join, side));
-    cublas_rows(rows, s);
-    BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(nullptr, join));
-    if (add) {
-      const float one = 1.0f;
-      BITDELTA_CUBLAS_CHECK(cublasSaxpy(prefill.handle(), rows * N, &one, static_cast<const float*>(yd.ptr), 1, Y, 1));
+    auto* terms = static_cast<float*>(yd.ptr);
+    beside.fork(st, terms, size_t(rows) * N);
+    beside.add_terms(W(s), N, K, X, rows, d, terms);
+    prefill.run(bcuda::PrefillMethod::kBaseOnly, W(s), N, K, X, rows, DeltaRef{}, Y);
+    beside.join(st);
+    if (add) bcuda::add_to(Y, terms, size_t(rows) * N, st);
+  };
+  struct Graphs {
+    std::map<std::tuple<const void*, const void*, size_t, bool, int>, cudaGraphExec_t> exec;
+    ~Graphs() {
+      for (auto& [k, e] : exec) cudaGraphExecDestroy(e);
     }
+  } graphs;
+  // deltas(s): the rows' variants in weight set s.
+  const auto side_by_side = [&](int s, const std::function<std::vector<DeltaRef>(int)>& deltas, bool add,
+                                int chain) {
+    if (chain == 0) return route(s, deltas(s), add, nullptr);
+    cudaGraphExec_t& e = graphs.exec[{W(s), deltas(s)[0].signs, deltas(s).size(), add, chain}];
+    if (!e) {
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      BITDELTA_CUBLAS_CHECK(cublasSetStream(prefill.handle(), capture));
+      for (int i = 0; i < chain; ++i) route(s + i, deltas(s + i), add, capture);  // scratch at its size first
+      BITDELTA_CUDA_CHECK(cudaStreamSynchronize(capture));
+      cudaGraph_t g;
+      BITDELTA_CUDA_CHECK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < chain; ++i) route(s + i, deltas(s + i), add, capture);
+      BITDELTA_CUDA_CHECK(cudaStreamEndCapture(capture, &g));
+      BITDELTA_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+      BITDELTA_CUDA_CHECK(cudaGraphDestroy(g));
+      BITDELTA_CUBLAS_CHECK(cublasSetStream(prefill.handle(), nullptr));
+    }
+    BITDELTA_CUDA_CHECK(cudaGraphLaunch(e, nullptr));
   };
 
   // (a) one row, one variant.
@@ -565,15 +590,17 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           },
           reps);
       add({shape, "b: 16 rows 16 variants", "cuBLAS + delta-only", t, bytes, roof, "x roofline"});
-      for (const bool with_add : {false, true}) {
-        const double ts = time_us(
-            [&](int s) {
-              DeltaRef d[kVariants];
-              for (int v = 0; v < kVariants; ++v) d[v] = delta(s, v);
-              side_by_side(s, {d, size_t(kVariants)}, with_add);
-            },
-            reps);
-        add({shape, "b: 16 rows 16 variants", with_add ? "cuBLAS | delta-only, + add" : "cuBLAS | delta-only, no add",
+      const auto deltas = [&](int s) {
+        std::vector<DeltaRef> d(kVariants);
+        for (int v = 0; v < kVariants; ++v) d[size_t(v)] = delta(s, v);
+        return d;
+      };
+      for (const auto& [with_add, chain] : {std::pair{false, 1}, {true, 1}, {false, 20}, {true, 20}, {true, 0}}) {
+        const double ts = time_us([&](int s) { side_by_side(s * std::max(chain, 1), deltas, with_add, chain); }, reps) /
+                          std::max(chain, 1);
+        add({shape, "b: 16 rows 16 variants",
+             std::string(with_add ? "cuBLAS | terms, + add_to" : "cuBLAS | terms, folded") +
+                 (chain == 0 ? ", calls" : chain == 1 ? ", graph" : ", graph of 20"),
              ts, bytes, roof, "x roofline"});
       }
     }
@@ -686,15 +713,17 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
           reps);
       add({shape, "e: 32 rows 14 variants", "cuBLAS + delta-only", tdo, bytes_e, bytes_e / copy_bw * 1e6,
            "x roofline"});
-      const double tsb = time_us(
-          [&](int s) {
-            DeltaRef d[32];
-            for (int r = 0; r < 32; ++r) d[r] = delta(s, r * nv / 32);
-            side_by_side(s, {d, 32}, true);
-          },
-          reps);
-      add({shape, "e: 32 rows 14 variants", "cuBLAS | delta-only, + add", tsb, bytes_e, bytes_e / copy_bw * 1e6,
-           "x roofline"});
+      const auto deltas_e = [&](int s) {
+        std::vector<DeltaRef> d(32);
+        for (int r = 0; r < 32; ++r) d[size_t(r)] = delta(s, r * nv / 32);
+        return d;
+      };
+      for (const bool with_add : {true, false}) {
+        const double t = time_us([&](int s) { side_by_side(s * 20, deltas_e, with_add, 20); }, reps) / 20;
+        add({shape, "e: 32 rows 14 variants",
+             with_add ? "cuBLAS | terms, + add_to, graph of 20" : "cuBLAS | terms, folded, graph of 20", t, bytes_e,
+             bytes_e / copy_bw * 1e6, "x roofline"});
+      }
       const double bytes_d = nv * (double(sbytes) + N * 4.0);
       const double td = time_us(delta_terms, reps);
       add({shape, "e: 32 rows 14 variants", "delta-only alone", td, bytes_d, bytes_d / copy_bw * 1e6, "x roofline"});

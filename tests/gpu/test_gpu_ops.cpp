@@ -367,5 +367,97 @@ TEST_F(GpuOps, AddToAddsElementwise) {
   }
 }
 
+// A linear's delta terms taken apart (device_model.cu linear()) and added by the kernel that consumes
+// its output: exactly what add_to and then that kernel give (add_rmsnorm in both of its forms, with
+// a row map and biases; bias_rope_store over q|k|v views of one buffer, with biases; swiglu over
+// gate|up in its 4-column and its scalar form). Their results against the CPU: the tests above.
+TEST_F(GpuOps, DeltaTermsFoldedIntoTheConsumerEqualAddTo) {
+  // Runs `op` on y + t added first (add_to), then on y with t as its terms; returns both outputs.
+  const auto both = [](const std::vector<float>& y, const std::vector<float>& t, const auto& op) {
+    Buf<float> dy(y.size()), dt(t.size());
+    dy.put(y);
+    dt.put(t);
+    cuda::add_to(dy.p, dt.p, y.size(), nullptr);
+    auto added = op(dy.p, nullptr);
+    dy.put(y);
+    auto folded = op(dy.p, static_cast<const float*>(dt.p));
+    return std::pair{std::move(added), std::move(folded)};
+  };
+  const int rows = 5, vocab = 8;
+  for (const int hidden : {4096 + 64, 11008 + 5}) {
+    SCOPED_TRACE(testing::Message() << "add_rmsnorm, hidden " << hidden);
+    const auto e = randn(size_t(vocab) * hidden, 60), n = randn(size_t(hidden) * 2, 61), b = randn(size_t(hidden), 62);
+    Buf<__nv_bfloat16> de(e.size());
+    de.put(to_bf16(e));
+    Buf<float> dn(n.size()), db(b.size());
+    dn.put(n);
+    db.put(b);
+    std::vector<cuda::RowDesc> desc(rows);
+    for (int r = 0; r < rows; ++r) desc[size_t(r)] = {r, r, 0, nullptr, de.p, dn.p, r % 2 ? db.p : nullptr};
+    Buf<cuda::RowDesc> ddesc(rows);
+    ddesc.put(desc);
+    Buf<int> dmap(3);
+    dmap.put({4, 1, 2});
+    for (const bool mapped : {false, true}) {
+      const int n_out = mapped ? 3 : rows;
+      const auto op = [&](float* add, const float* terms) {
+        Buf<float> x(size_t(rows) * hidden);
+        Buf<__nv_bfloat16> out(size_t(n_out) * hidden);
+        cuda::embed_rows(ddesc.p, rows, hidden, x.p, nullptr);
+        cuda::add_rmsnorm(x.p, add, ddesc.p, mapped ? dmap.p : nullptr, n_out, hidden, hidden, 0, 1e-5f, out.p,
+                          nullptr, terms);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        auto xs = x.get();
+        const auto o = to_f32(out.get());
+        xs.insert(xs.end(), o.begin(), o.end());
+        return xs;
+      };
+      const auto [added, folded] = both(randn(size_t(rows) * hidden, 63), randn(size_t(rows) * hidden, 64, 0.1f), op);
+      EXPECT_EQ(folded, added) << (mapped ? "with a row map" : "");
+    }
+  }
+  {
+    const int heads = 8, kv_heads = 2, head_dim = 64, layers = 2, layer = 1, hidden = 64, cap = 16;
+    const int q_dim = heads * head_dim, kv_dim = kv_heads * head_dim, stride = q_dim + 2 * kv_dim;
+    std::vector<float> inv_freq(size_t(head_dim / 2));
+    for (size_t i = 0; i < inv_freq.size(); ++i) inv_freq[i] = float(1.0 / std::pow(10000.0, 2.0 * double(i) / head_dim));
+    Buf<float> dinv(inv_freq.size());
+    dinv.put(inv_freq);
+    const auto bias = randn(size_t(layers) * (q_dim + 2 * kv_dim + hidden), 65, 0.1f);
+    Buf<float> dbias(bias.size());
+    dbias.put(bias);
+    Buf<__nv_bfloat16> cache(size_t(rows) * layers * 2 * cap * kv_dim);
+    std::vector<cuda::RowDesc> desc(rows);
+    for (int r = 0; r < rows; ++r)
+      desc[size_t(r)] = {0, 3 * r, cap, cache.p + size_t(r) * layers * 2 * cap * kv_dim, nullptr, nullptr,
+                         r % 2 ? nullptr : dbias.p};
+    Buf<cuda::RowDesc> ddesc(rows);
+    ddesc.put(desc);
+    const auto op = [&](float* q, const float* terms) {
+      EXPECT_EQ(cudaMemset(cache.p, 0, cache.n * sizeof(__nv_bfloat16)), cudaSuccess);
+      cuda::bias_rope_store(q, q + q_dim, q + q_dim + kv_dim, stride, stride, ddesc.p, rows, layer, heads, kv_heads,
+                            head_dim, hidden, dinv.p, nullptr, terms);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<float> got(size_t(rows) * q_dim);  // q (k and v go to the cache, not back)
+      cudaMemcpy2D(got.data(), size_t(q_dim) * 4, q, size_t(stride) * 4, size_t(q_dim) * 4, rows, cudaMemcpyDeviceToHost);
+      const auto c = to_f32(cache.get());
+      got.insert(got.end(), c.begin(), c.end());
+      return got;
+    };
+    const auto [added, folded] = both(randn(size_t(rows) * stride, 66), randn(size_t(rows) * stride, 67, 0.1f), op);
+    EXPECT_EQ(folded, added) << "bias_rope_store";
+  }
+  for (const int n : {11008, 11008 + 5}) {
+    const auto op = [&](float* gu, const float* terms) {
+      Buf<__nv_bfloat16> out(size_t(rows) * n);
+      cuda::swiglu(gu, gu + n, 2 * n, rows, n, out.p, nullptr, terms);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      return to_f32(out.get());
+    };
+    const auto [added, folded] = both(randn(size_t(rows) * 2 * n, 68, 3.0f), randn(size_t(rows) * 2 * n, 69, 0.3f), op);
+    EXPECT_EQ(folded, added) << "swiglu, n " << n;
+  }
+}
+
 }  // namespace
 }  // namespace bitdelta

@@ -19,6 +19,7 @@
 #include "bitdelta/error.h"
 #include "bitdelta/model.h"
 #include "cuda_check.cuh"
+#include "delta_terms_beside.cuh"
 #include "fused_gemm_mma.cuh"
 #include "fused_linear_decode.cuh"
 #include "fused_linear_prefill.cuh"
@@ -124,24 +125,19 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // The device and the compute stream; everything allocated is freed in stream order on it, so a
 // buffer dropped between steps is reused only after the steps that read it.
-// `side`: a second stream for work that runs beside the compute stream's within a step (a linear's
-// delta terms beside its base), forked from it and joined back through the two events.
+// `beside`: a second stream for a linear's delta terms beside its base's GEMM within a step
+// (delta_terms_beside.cuh), forked from the compute stream and joined back.
 struct Context {
   int device = 0;
-  cudaStream_t stream = nullptr, side = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<DeltaTermsBeside> beside;
   std::atomic<uint64_t> variant_bytes{0};  // the base's and every uploaded variant's device buffers
   ~Context() {
-    if (side) {
-      cudaStreamSynchronize(side);
-      cudaStreamDestroy(side);
-    }
+    beside.reset();
     if (stream) {
       cudaStreamSynchronize(stream);
       cudaStreamDestroy(stream);
     }
-    if (fork) cudaEventDestroy(fork);
-    if (join) cudaEventDestroy(join);
   }
 };
 
@@ -599,9 +595,16 @@ struct DeviceModel::Impl {
   // streaming kernel takes all 32 in one; elsewhere, the register kernel takes fewer than
   // kDeltaTermsRows). From kDeltaTermsRows rows with a delta among them, cuBLAS takes the base and,
   // beside it on the side stream, launches of up to 32 rows the delta terms.
-  void linear(const std::vector<const LinearOnDevice*>& lin, const bf16* xin, int K, float* y, int N) {
+  // Those terms go to a buffer of their own, [rows, N], zeros but for the gathered rows. With
+  // `terms` the caller takes it apart (*terms, or null where no row took that route) and the kernel
+  // that consumes y adds it as it reads y; without, y += it here (ops.cuh add_to). The buffer is
+  // the step's until the next linear.
+  void linear(const std::vector<const LinearOnDevice*>& lin, const bf16* xin, int K, float* y, int N,
+              const float** terms = nullptr) {
     const size_t R = lin.size();
     std::vector<DeltaRef> deltas;
+    float* t = nullptr;  // the delta terms' buffer, once the side stream is forked
+    size_t t_lo = R, t_hi = 0;  // the rows it may hold terms of
     for (size_t a = 0; a < R;) {
       auto same_weight = [&](size_t i) { return lin[i]->w == lin[a]->w; };
       auto run_end = [&](size_t i) {  // end of the run of rows with row i's weight and signs
@@ -641,9 +644,9 @@ struct DeviceModel::Impl {
       // (Rows of the base alone keep the streaming kernel where it runs; elsewhere the GEMM alone.)
       if (b - a >= kDeltaTermsRows && (any_delta || !streams)) {
         // The base of all of them through one GEMM (W read once), and beside it, on the side stream,
-        // their delta terms into a buffer of their own by launches of up to 32 rows that each read
-        // their variants' signs once, not W (delta_terms.cuh); once both are done, y += that buffer
-        // (ops.cuh add_to). Without the streaming kernel, against the register kernel: each of its
+        // their delta terms into the buffer above by launches of up to 32 rows that each read their
+        // variants' signs once, not W (delta_terms_beside.cuh); y and the terms meet after both
+        // (above). Without the streaming kernel, against the register kernel: each of its
         // launches of 16 rows reads W again, and its delta slots are latency-bound (NOTES.md, parts
         // 29 and 33). With it, against its one launch of up to 32 rows (above, kDeltaTermsRows).
         // Side by side the GEMM's reads of W and the terms' of the signs overlap:
@@ -653,30 +656,18 @@ struct DeviceModel::Impl {
         // batch 48 15.97 / 15.45 → 15.09 / 15.24, 64 19.22 / 18.89 → 18.96 / 18.73. The terms add
         // to zeros, then to y: fl(base + fl(α·t)), where on one stream base + α·t could be one fused
         // multiply-add (the same bound either way: the GPU tests).
-        const size_t n = (b - a) * size_t(N);
-        float* yd = nullptr;
         if (any_delta) {
-          yd = static_cast<float*>(stream_scratch(ScratchUse::kDeltaTerms, ctx->stream, n * sizeof(float)));
-          BITDELTA_CUDA_CHECK(cudaEventRecord(ctx->fork, ctx->stream));
-          BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(ctx->side, ctx->fork));
-          BITDELTA_CUDA_CHECK(cudaMemsetAsync(yd, 0, n * sizeof(float), ctx->side));
-          DecodeOptions o;
-          o.delta_only = true;
-          for (size_t c = a; c < b; c += kDecodeRows) {
-            const size_t ce = std::min(b, c + kDecodeRows);
-            deltas.clear();
-            for (size_t i = c; i < ce; ++i) deltas.push_back(lin[i]->delta);
-            fused_linear_decode(lin[a]->w, N, K, xin + c * size_t(K), int(ce - c), deltas,
-                                yd + (c - a) * size_t(N), ctx->side, o);
+          if (!t) {
+            t = static_cast<float*>(stream_scratch(ScratchUse::kDeltaTerms, ctx->stream, R * size_t(N) * sizeof(float)));
+            ctx->beside->fork(ctx->stream, t, R * size_t(N));
           }
-          BITDELTA_CUDA_CHECK(cudaEventRecord(ctx->join, ctx->side));
+          deltas.clear();
+          for (size_t i = a; i < b; ++i) deltas.push_back(lin[i]->delta);
+          ctx->beside->add_terms(lin[a]->w, N, K, xin + a * size_t(K), int(b - a), deltas, t + a * size_t(N));
+          t_lo = std::min(t_lo, a), t_hi = std::max(t_hi, b);
         }
         prefill->run(PrefillMethod::kBaseOnly, lin[a]->w, N, K, xin + a * size_t(K), int(b - a), DeltaRef{},
                      y + a * size_t(N));
-        if (any_delta) {
-          BITDELTA_CUDA_CHECK(cudaStreamWaitEvent(ctx->stream, ctx->join));
-          add_to(y + a * size_t(N), yd, n, ctx->stream);
-        }
         a = b;
         continue;
       }
@@ -687,6 +678,11 @@ struct DeviceModel::Impl {
       fused_linear_decode(lin[a]->w, N, K, xin + a * size_t(K), int(b - a), deltas, y + a * size_t(N), ctx->stream);
       a = b;
     }
+    if (t) ctx->beside->join(ctx->stream);
+    if (terms)
+      *terms = t;
+    else if (t)
+      add_to(y + t_lo * size_t(N), t + t_lo * size_t(N), (t_hi - t_lo) * size_t(N), ctx->stream);
   }
 };
 
@@ -714,9 +710,7 @@ DeviceModel::DeviceModel(const ModelConfig& config, const VariantWeights& base, 
   uint64_t threshold = UINT64_MAX;
   BITDELTA_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
   BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&m.ctx->stream, cudaStreamNonBlocking));
-  BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&m.ctx->side, cudaStreamNonBlocking));
-  BITDELTA_CUDA_CHECK(cudaEventCreateWithFlags(&m.ctx->fork, cudaEventDisableTiming));
-  BITDELTA_CUDA_CHECK(cudaEventCreateWithFlags(&m.ctx->join, cudaEventDisableTiming));
+  m.ctx->beside = std::make_unique<DeltaTermsBeside>();
   m.prefill = std::make_unique<PrefillLinear>(m.ctx->stream, kPrefillScratch);
   {
     const auto* aligned = reinterpret_cast<const bf16*>(uintptr_t(kAlign));  // not dereferenced
@@ -940,17 +934,23 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   if (W > 0) BITDELTA_CUDA_CHECK(cudaMemcpyAsync(m.map_dev, map, W * 4, cudaMemcpyHostToDevice, m.ctx->stream));
 
   std::vector<const LinearOnDevice*> lin(R);
-  auto linear = [&](int layer, int kind, const bf16* xin, int K, float* y, int N) {
+  // A linear whose output one kernel consumes takes its delta terms apart (terms: Impl::linear),
+  // for that kernel to add; the rest have them added to their output. Against add_to after each
+  // join, the 7B mixed step (run 343, alternated twice, NOTES.md part 41): normal build batch 8
+  // 6.45 / 6.51 → 6.38 / 6.35 ms, 64 19.15 / 19.10 → 18.52 / 18.57, 32 level; compute_80 build
+  // batch 8 6.68 / 6.81 → 6.48 / 6.50, 32 11.63 / 11.73 → 11.43 / 11.38.
+  auto linear = [&](int layer, int kind, const bf16* xin, int K, float* y, int N, const float** terms = nullptr) {
     for (size_t i = 0; i < R; ++i) lin[i] = &var[i]->layers[size_t(layer)][size_t(kind)];
-    m.linear(lin, xin, K, y, N);
+    m.linear(lin, xin, K, y, N, terms);
   };
   // q|k|v (fused group 0) or gate|up (1) as one launch when every row's variant has it fused.
-  auto fused_linear = [&](int layer, int group, const bf16* xin, int K, float* y, int N) {
+  auto fused_linear = [&](int layer, int group, const bf16* xin, int K, float* y, int N, const float** terms) {
+    *terms = nullptr;
     for (size_t i = 0; i < R; ++i) {
       lin[i] = &var[i]->fused[size_t(layer)][size_t(group)];
       if (!lin[i]->w) return false;
     }
-    m.linear(lin, xin, K, y, N);
+    m.linear(lin, xin, K, y, N, terms);
     return true;
   };
   const float eps = float(c.rms_eps), scale = 1.0f / std::sqrt(float(hd));
@@ -959,11 +959,12 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   // The step's launches (after the copies above, which every step makes).
   const auto issue = [&] {
     embed_rows(m.rows_dev, int(R), H, m.x, s);
+    const float* terms = nullptr;  // the delta terms of the last linear, for its consumer
     for (int l = 0; l < L; ++l) {
-      add_rmsnorm(m.x, l ? m.down : nullptr, m.rows_dev, nullptr, int(R), H, 2 * l * H, -1, eps, m.h, s);
-      if (fused_linear(l, 0, m.h, H, m.q, qd + 2 * kvd)) {
+      add_rmsnorm(m.x, l ? m.down : nullptr, m.rows_dev, nullptr, int(R), H, 2 * l * H, -1, eps, m.h, s, terms);
+      if (fused_linear(l, 0, m.h, H, m.q, qd + 2 * kvd, &terms)) {
         bias_rope_store(m.q, m.q + qd, m.q + qd + kvd, qd + 2 * kvd, qd + 2 * kvd, m.rows_dev, int(R), l, heads, kvh,
-                        hd, H, m.inv_freq, s);
+                        hd, H, m.inv_freq, s, terms);
         attention(m.q, qd + 2 * kvd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, heads, kvh, hd, scale, m.attn, s);
         for (const int2 run : prompt_runs)
           attention_prompt(m.prefill->handle(), m.q, qd + 2 * kvd, desc[run.x], run.x, run.y, l, heads, kvh, hd, scale,
@@ -977,20 +978,20 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
         for (const int2 run : prompt_runs)
           attention_prompt(m.prefill->handle(), m.q, qd, desc[run.x], run.x, run.y, l, heads, kvh, hd, scale, m.attn, s);
       }
-      linear(l, kO, m.attn, qd, m.o, H);
+      linear(l, kO, m.attn, qd, m.o, H, &terms);
       add_rmsnorm(m.x, m.o, m.rows_dev, nullptr, int(R), H, (2 * l + 1) * H,
-                  c.o_bias ? l * bias_stride + qd + 2 * kvd : -1, eps, m.h, s);
-      if (fused_linear(l, 1, m.h, H, m.gate, 2 * I)) {
-        swiglu(m.gate, m.gate + I, 2 * I, int(R), I, m.act, s);
+                  c.o_bias ? l * bias_stride + qd + 2 * kvd : -1, eps, m.h, s, terms);
+      if (fused_linear(l, 1, m.h, H, m.gate, 2 * I, &terms)) {
+        swiglu(m.gate, m.gate + I, 2 * I, int(R), I, m.act, s, terms);
       } else {
         linear(l, kGate, m.h, H, m.gate, I);
         linear(l, kUp, m.h, H, m.up, I);
         swiglu(m.gate, m.up, I, int(R), I, m.act, s);
       }
-      linear(l, kDown, m.act, I, m.down, H);
+      linear(l, kDown, m.act, I, m.down, H, &terms);
     }
     if (W > 0) {
-      add_rmsnorm(m.x, m.down, m.rows_dev, m.map_dev, int(W), H, 2 * L * H, -1, eps, m.h, s);
+      add_rmsnorm(m.x, m.down, m.rows_dev, m.map_dev, int(W), H, 2 * L * H, -1, eps, m.h, s, terms);
       std::vector<LinearOnDevice> heads_lin(W);
       std::vector<const LinearOnDevice*> hl(W);
       for (size_t j = 0; j < W; ++j) {

@@ -55,8 +55,10 @@ __global__ void embed_kernel(const RowDesc* rows, int hidden, float* x) {
 // round trip to memory (reading x again and the weights after the sum took 6.9 µs per launch at
 // batch 1 on the 7B shape, against 5.1 µs this way: ncu, runs 59 and 61).
 template <int PER>
-__global__ void __launch_bounds__(1024) add_rmsnorm_kernel(float* x, const float* add, const RowDesc* rows, const int* row_map,
-                                   int hidden, int norm_offset, int bias_offset, float eps, __nv_bfloat16* out) {
+__global__ void __launch_bounds__(1024) add_rmsnorm_kernel(float* x, const float* add, const float* terms,
+                                                           const RowDesc* rows, const int* row_map, int hidden,
+                                                           int norm_offset, int bias_offset, float eps,
+                                                           __nv_bfloat16* out) {
   pdl_launch_dependents();  // launch.cuh
   // Before the wait: the row's descriptor and its norm weights (launch.cuh: the step's descriptors are
   // copied in before its first kernel, the weights before any step), off the path after it.
@@ -82,7 +84,11 @@ __global__ void __launch_bounds__(1024) add_rmsnorm_kernel(float* x, const float
     const int i = threadIdx.x + k * blockDim.x;
     v[k] = i < hidden ? xr[i] : 0.0f;
     if constexpr (PER > 8) wv[k] = i < hidden ? w[i] : 0.0f;
-    if (add && i < hidden) v[k] += add[size_t(s) * hidden + i] + (bias ? bias[i] : 0.0f);
+    if (add && i < hidden) {
+      float a = add[size_t(s) * hidden + i];
+      if (terms) a += terms[size_t(s) * hidden + i];  // as add_to would have, before the bias
+      v[k] += a + (bias ? bias[i] : 0.0f);
+    }
   }
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
@@ -105,6 +111,7 @@ __global__ void __launch_bounds__(1024) add_rmsnorm_kernel(float* x, const float
 // at batch 1 (ncu, run 59).
 constexpr int kRopeThreads = 256, kMaxHalf = 128;
 __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q, const float* k, const float* v,
+                                                                       const float* tq, const float* tk, const float* tv,
                                                                        int q_stride, int kv_stride, const RowDesc* rows,
                                                                        int layer, int heads, int kv_heads,
                                                                        int head_dim, int hidden, const float* inv_freq) {
@@ -128,11 +135,16 @@ __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q,
   float* qr = q + size_t(r) * q_stride;
   const float* kr = k + size_t(r) * kv_stride;
   const float* vr = v + size_t(r) * kv_stride;
+  // The delta terms of q, k and v (laid out as they are), added first, as add_to would have.
+  const float* tqr = tq ? tq + size_t(r) * q_stride : nullptr;
+  const float* tkr = tk ? tk + size_t(r) * kv_stride : nullptr;
+  const float* tvr = tv ? tv + size_t(r) * kv_stride : nullptr;
   const int q_pairs = heads * half, k_pairs = kv_heads * half, pairs = q_pairs + k_pairs;
   for (int p = blockIdx.y * blockDim.x + threadIdx.x; p < pairs + kv_dim; p += gridDim.y * blockDim.x) {
     if (p >= pairs) {
       const int i = p - pairs;
-      vr_out[i] = __float2bfloat16(vr[i] + (bias ? bias[q_dim + kv_dim + i] : 0.0f));
+      const float val = tvr ? vr[i] + tvr[i] : vr[i];
+      vr_out[i] = __float2bfloat16(val + (bias ? bias[q_dim + kv_dim + i] : 0.0f));
       continue;
     }
     const bool is_q = p < q_pairs;
@@ -141,11 +153,13 @@ __global__ void __launch_bounds__(kRopeThreads) bias_rope_store_kernel(float* q,
     const float c = cos_s[i], sn = sin_s[i];
     if (is_q) {
       float a = qr[ia], b = qr[ib];
+      if (tqr) a += tqr[ia], b += tqr[ib];
       if (bias) a += bias[ia], b += bias[ib];
       qr[ia] = a * c - b * sn;
       qr[ib] = b * c + a * sn;
     } else {
       float a = kr[ia], b = kr[ib];
+      if (tkr) a += tkr[ia], b += tkr[ib];
       if (bias) a += bias[q_dim + ia], b += bias[q_dim + ib];
       kr_out[ia] = __float2bfloat16(a * c - b * sn);
       kr_out[ib] = __float2bfloat16(b * c + a * sn);
@@ -879,7 +893,8 @@ __global__ void add_to_kernel(float* y, const float* d, size_t n) {
 // multiple of 4 and 16-byte aligned rows. One column per thread took 26.8 µs per launch at 512 rows
 // on the 7B shape (ncu, run 79).
 template <bool Vec>
-__global__ void swiglu_kernel(const float* gate, const float* up, int stride, int n, __nv_bfloat16* out) {
+__global__ void swiglu_kernel(const float* gate, const float* up, const float* tg, const float* tu, int stride, int n,
+                              __nv_bfloat16* out) {
   pdl_launch_dependents();  // launch.cuh
   pdl_wait();
   const size_t r = blockIdx.y;
@@ -887,15 +902,25 @@ __global__ void swiglu_kernel(const float* gate, const float* up, int stride, in
     const float4* g4 = reinterpret_cast<const float4*>(gate + r * stride);
     const float4* u4 = reinterpret_cast<const float4*>(up + r * stride);
     uint2* o = reinterpret_cast<uint2*>(out + r * n);
+    const float4* tg4 = tg ? reinterpret_cast<const float4*>(tg + r * stride) : nullptr;
+    const float4* tu4 = tu ? reinterpret_cast<const float4*>(tu + r * stride) : nullptr;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n / 4; i += gridDim.x * blockDim.x) {
-      const float4 g = g4[i], u = u4[i];
+      float4 g = g4[i], u = u4[i];
+      if (tg4) {  // the delta terms, added first, as add_to would have
+        const float4 a = tg4[i], b = tu4[i];
+        g.x += a.x, g.y += a.y, g.z += a.z, g.w += a.w;
+        u.x += b.x, u.y += b.y, u.z += b.z, u.w += b.w;
+      }
       const __nv_bfloat162 lo = __floats2bfloat162_rn(silu_times(g.x, u.x), silu_times(g.y, u.y)),
                            hi = __floats2bfloat162_rn(silu_times(g.z, u.z), silu_times(g.w, u.w));
       o[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
     }
   } else {
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-      out[r * n + i] = __float2bfloat16(silu_times(gate[r * stride + i], up[r * stride + i]));
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+      float g = gate[r * stride + i], u = up[r * stride + i];
+      if (tg) g += tg[r * stride + i], u += tu[r * stride + i];
+      out[r * n + i] = __float2bfloat16(silu_times(g, u));
+    }
   }
 }
 
@@ -908,18 +933,20 @@ void embed_rows(const RowDesc* rows, int n_rows, int hidden, float* x, cudaStrea
 }
 
 void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row_map, int n_out, int hidden,
-                 int norm_offset, int bias_offset, float eps, __nv_bfloat16* out, cudaStream_t stream) {
+                 int norm_offset, int bias_offset, float eps, __nv_bfloat16* out, cudaStream_t stream,
+                 const float* terms) {
+  if (terms && !add) fail("cuda::add_rmsnorm: delta terms without the addend they belong to");
   if (n_out == 0) return;
   // 8 elements per thread up to 8192 (1024 threads), then 16 (up to kMaxHidden). (The form with 32
   // per thread, up to 32768, took 88 registers, more than the 64 that a thread of 1024 may have: any
   // hidden over 8192 failed to launch. No test had one; tests/gpu now does.)
   const int threads = std::max(64, std::min(1024, (hidden + 8 * 32 - 1) / (8 * 32) * 32));
   if (hidden <= 8 * threads)
-    launch_chained(add_rmsnorm_kernel<8>, dim3(unsigned(n_out)), dim3(unsigned(threads)), 0, stream, x, add, rows, row_map,
-                   hidden, norm_offset, bias_offset, eps, out);
+    launch_chained(add_rmsnorm_kernel<8>, dim3(unsigned(n_out)), dim3(unsigned(threads)), 0, stream, x, add, terms, rows,
+                   row_map, hidden, norm_offset, bias_offset, eps, out);
   else if (hidden <= kMaxHidden)
-    launch_chained(add_rmsnorm_kernel<16>, dim3(unsigned(n_out)), dim3(1024), 0, stream, x, add, rows, row_map, hidden,
-                   norm_offset, bias_offset, eps, out);
+    launch_chained(add_rmsnorm_kernel<16>, dim3(unsigned(n_out)), dim3(1024), 0, stream, x, add, terms, rows, row_map,
+                   hidden, norm_offset, bias_offset, eps, out);
   else
     fail("cuda::add_rmsnorm: hidden ", hidden, " (at most ", kMaxHidden, ")");
   BITDELTA_CUDA_CHECK_LAUNCH();
@@ -927,7 +954,7 @@ void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row
 
 void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int kv_stride, const RowDesc* rows,
                      int n_rows, int layer, int heads, int kv_heads, int head_dim, int hidden,
-                     const float* inv_freq, cudaStream_t stream) {
+                     const float* inv_freq, cudaStream_t stream, const float* terms) {
   if (n_rows == 0) return;
   if (head_dim % 2 || head_dim / 2 > kMaxHalf)
     fail("cuda::bias_rope_store: head_dim ", head_dim, " (even, at most ", 2 * kMaxHalf, ")");
@@ -937,8 +964,10 @@ void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int
   const int items = (heads + kv_heads) * head_dim / 2 + kv_heads * head_dim;
   const int per_row = std::max(1, std::min({(items + kRopeThreads - 1) / kRopeThreads, 32, 1024 / n_rows}));
   const dim3 grid{unsigned(n_rows), unsigned(per_row)};
-  launch_chained(bias_rope_store_kernel, grid, dim3(kRopeThreads), 0, stream, q, k, v, q_stride, kv_stride, rows, layer,
-                 heads, kv_heads, head_dim, hidden, inv_freq);
+  const float* tk = terms ? terms + (k - q) : nullptr;
+  const float* tv = terms ? terms + (v - q) : nullptr;
+  launch_chained(bias_rope_store_kernel, grid, dim3(kRopeThreads), 0, stream, q, k, v, terms, tk, tv,
+                 q_stride, kv_stride, rows, layer, heads, kv_heads, head_dim, hidden, inv_freq);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
@@ -1129,16 +1158,19 @@ void add_to(float* y, const float* d, size_t n, cudaStream_t stream) {
 }
 
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,
-            cudaStream_t stream) {
+            cudaStream_t stream, const float* terms) {
   if (n == 0 || n_rows == 0) return;
-  const bool vec = n % 4 == 0 && stride % 4 == 0 && (reinterpret_cast<uintptr_t>(gate) & 15) == 0 &&
-                   (reinterpret_cast<uintptr_t>(up) & 15) == 0 && (reinterpret_cast<uintptr_t>(out) & 7) == 0;
+  const float* tg = terms;
+  const float* tu = terms ? terms + (up - gate) : nullptr;
+  const auto aligned = [](const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; };
+  const bool vec = n % 4 == 0 && stride % 4 == 0 && aligned(gate, 16) && aligned(up, 16) && aligned(out, 8) &&
+                   (!terms || (aligned(tg, 16) && aligned(tu, 16)));
   const int per_thread = vec ? 4 : 1;
   const dim3 grid{unsigned(std::min((n / per_thread + 255) / 256, 64)), unsigned(n_rows)};
   if (vec)
-    launch_chained(swiglu_kernel<true>, grid, dim3(256), 0, stream, gate, up, stride, n, out);
+    launch_chained(swiglu_kernel<true>, grid, dim3(256), 0, stream, gate, up, tg, tu, stride, n, out);
   else
-    launch_chained(swiglu_kernel<false>, grid, dim3(256), 0, stream, gate, up, stride, n, out);
+    launch_chained(swiglu_kernel<false>, grid, dim3(256), 0, stream, gate, up, tg, tu, stride, n, out);
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 

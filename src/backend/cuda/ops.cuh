@@ -43,18 +43,23 @@ void embed_rows(const RowDesc* rows, int n_rows, int hidden, float* x, cudaStrea
 // bias at bias_offset, if ≥ 0 and the row has biases); then
 // out[i] = bf16(rmsnorm(x[s]) ⊙ rows[s].norms[norm_offset ..]). float32 sum of squares (in a
 // different order than the CPU's sequential one). hidden ≤ kMaxHidden.
+// terms (here and in bias_rope_store and swiglu): null, or the delta terms of the linear that wrote
+// the input (device_model.cu linear(), computed apart from its base), laid out as that output is;
+// the kernel adds them to what it reads first, the same floats as add_to before it would give.
 constexpr int kMaxHidden = 16384;
 void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row_map, int n_out, int hidden,
-                 int norm_offset, int bias_offset, float eps, __nv_bfloat16* out, cudaStream_t stream);
+                 int norm_offset, int bias_offset, float eps, __nv_bfloat16* out, cudaStream_t stream,
+                 const float* terms = nullptr);
 
 // Adds layer `layer`'s q/k/v biases (if the row has any), rotates q and k at the row's position
 // ("rotate half" pairs, angle = float(position)·inv_freq[i], cos/sin in double as the CPU does), and
 // stores k and v (bf16) into the row's cache at its position. q stays float32 in place. Row r of q
 // starts at q + r·q_stride, of k and v at r·kv_stride (q, k and v may be views of one [rows, q+2kv]
-// output of a fused linear).
+// output of a fused linear). terms: as add_rmsnorm's, q's at terms, k's and v's as far from them as
+// k and v are from q (so with terms, q, k and v are views of one buffer).
 void bias_rope_store(float* q, const float* k, const float* v, int q_stride, int kv_stride, const RowDesc* rows,
                      int n_rows, int layer, int heads, int kv_heads, int head_dim, int hidden,
-                     const float* inv_freq, cudaStream_t stream);
+                     const float* inv_freq, cudaStream_t stream, const float* terms = nullptr);
 
 // Rows per attention tile: consecutive rows of one sequence at consecutive positions (a prefill
 // chunk) share each key and value read.
@@ -98,7 +103,9 @@ void attention_prompt(cublasHandle_t handle, const float* q, int q_stride, const
 void add_to(float* y, const float* d, size_t n, cudaStream_t stream);
 
 // out[r][i] = bf16(silu(gate[r·stride + i]) ⊙ up[r·stride + i]) for i < n; out is [rows, n].
+// terms: as add_rmsnorm's, gate's at terms, up's as far from them as up is from gate (with terms,
+// gate and up are views of one buffer).
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,
-            cudaStream_t stream);
+            cudaStream_t stream, const float* terms = nullptr);
 
 }  // namespace bitdelta::cuda
