@@ -353,8 +353,9 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // deltas(s): the rows' variants in weight set s.
   const auto side_by_side = [&](int s, const std::function<std::vector<DeltaRef>(int)>& deltas, bool add,
                                 int chain) {
-    if (chain == 0) return route(s, deltas(s), add, nullptr);
-    cudaGraphExec_t& e = graphs.exec[{W(s), deltas(s)[0].signs, deltas(s).size(), add, chain}];
+    const std::vector<DeltaRef> d = deltas(s);
+    if (chain == 0) return route(s, d, add, nullptr);
+    cudaGraphExec_t& e = graphs.exec[{W(s), d[0].signs, d.size(), add, chain}];
     if (!e) {
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       BITDELTA_CUBLAS_CHECK(cublasSetStream(prefill.handle(), capture));
