@@ -29,7 +29,7 @@ for b in bin bin-ptx; do
 done
 stamp "bench many-variants"
 .device/bin/bench_cuda_fused_linear --many-variants > $OUT/bench_b.log 2>&1; echo "rc $?"
-grep -E "b: roofline|b: floor|terms|AB |route" $OUT/bench_b.log
+grep -E "b: roofline|b: floor|terms|AB |route|stream kernel base" $OUT/bench_b.log
 stamp "bench one-row"
 .device/bin/bench_cuda_fused_linear --one-row > $OUT/bench_a.log 2>&1; echo "rc $?"
 grep -E "a: floor|balanced, chain|no delta|GemmEx|balanced grid \(default\)|alternating" $OUT/bench_a.log
