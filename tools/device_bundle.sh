@@ -52,8 +52,9 @@ for l in libcpp-httplib.so.0.11 libsentencepiece.so.0 libxxhash.so.0 libbrotlico
 done
 # One xz stream with a dictionary larger than the binaries together: every binary links the same
 # CUDA kernels, so each repeats most of the one before it. Multithreaded xz at -6 compresses 24 MB
-# blocks apart with 8 MB dictionaries and finds none of that: 19.3 MB against 5.7 MB (session 42,
-# the same files; about 50 s here against 15, 0.9 s to unpack; xz needs 128 MiB of memory for it).
+# blocks apart with 8 MB dictionaries and finds none of that: 19.2 MB against 5.7 MB (session 42,
+# the same files; 35-40 s on this machine's two cores against 18, 0.9 s to unpack; xz needs 128 MiB
+# of memory for it).
 tar -C .device -cf - bin bin-ptx bin-ptx90 lib | xz -T1 --lzma2=preset=9,dict=128MiB >.device/bundle.tar.xz
 tracked=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
 bundle=$(du -b .device/bundle.tar.xz | cut -f1)
