@@ -5,7 +5,8 @@
 # The GPU tests on the three builds, the kernel checks (normal and compute_80 builds), the (b) and
 # (a) benches with the patch's new forms (the A/B of the terms' zeroing in one process, each branch
 # of the route alone, the streaming kernel as the route's base, the chained read floors), and the 7B
-# mixed step at batch 8 and 32 with the zeroing A/B alternated twice. An estimate from the stages' times in earlier runs: about 6-7 minutes.
+# mixed step at batch 8 and 32 with the zeroing A/B alternated twice. About 6-7 minutes: an
+# estimate from the stages' times in earlier runs.
 set -uo pipefail
 root=$(pwd)
 export PATH=/usr/local/cuda/bin:$PATH
