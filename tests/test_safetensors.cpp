@@ -1,7 +1,10 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <chrono>
 #include <fstream>
+#include <thread>
+#include <vector>
 #include <unistd.h>
 
 #include "bitdelta/error.h"
@@ -276,6 +279,58 @@ TEST(MappedFile, PopulatedPagesAreResidentWithTheFilesBytes) {
   const size_t after = resident_bytes();
   EXPECT_GT(after, before + (size_t(48) << 20)) << "before " << before << ", after populate " << after;
   EXPECT_EQ(std::memcmp(m.bytes().data(), data.data(), kBigFile), 0);
+}
+
+// SequentialPager (used by a delta's upload to copy each tensor as soon as the disk has read it):
+// a waiter returns only once its range is paged in, whatever the order of the threads; the bytes it
+// then reads are the file's; ranges outside the mapping and empty ranges never wait.
+TEST(SequentialPager, WaitersReturnOnlyOnceTheirBytesArePagedIn) {
+  TempDir dir;
+  const std::string data = write_big_file(dir / "big.bin");
+  const MappedFile m(dir / "big.bin");
+  SequentialPager pager(m.bytes(), size_t(1) << 20);
+  const std::vector<char> elsewhere(100);
+  pager.wait_for(elsewhere.data(), elsewhere.size());  // before run(): would hang if it waited
+  pager.wait_for(m.bytes().data() + kBigFile / 2, 0);
+  EXPECT_EQ(pager.done(), 0u);
+  // Ranges in file order, of sizes that straddle chunk boundaries, the last one ending at the end.
+  std::vector<std::pair<size_t, size_t>> ranges;
+  for (size_t at = 0, n = 777; at < kBigFile; at += n, n = n * 3 + 4099)
+    ranges.push_back({at, std::min(n, kBigFile - at)});
+  std::string copy(kBigFile, '\0');
+  std::vector<size_t> short_of;  // ranges whose wait returned before the pager had reached their end
+  std::thread consumer([&] {
+    for (const auto& [at, n] : ranges) {
+      pager.wait_for(m.bytes().data() + at, n);
+      if (pager.done() < at + n) short_of.push_back(at);
+      std::memcpy(copy.data() + at, m.bytes().data() + at, n);
+    }
+  });
+  // The consumer is waiting for its first range before anything is paged in (a wait that did not
+  // wait would be seen below, whatever the sleep's length).
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  pager.run();
+  consumer.join();
+  EXPECT_TRUE(short_of.empty()) << short_of.size() << " ranges returned early, the first at " << short_of[0];
+  EXPECT_EQ(pager.done(), kBigFile);
+  EXPECT_EQ(std::memcmp(copy.data(), data.data(), kBigFile), 0);
+}
+
+// stop() (a loader whose buffer could not be allocated): run() reads nothing more, and a waiter on
+// bytes never paged in returns instead of hanging.
+TEST(SequentialPager, StopEndsTheRunAndReleasesWaiters) {
+  TempDir dir;
+  write_big_file(dir / "big.bin");
+  const MappedFile m(dir / "big.bin");
+  SequentialPager pager(m.bytes(), size_t(1) << 20);
+  std::thread waiter([&] { pager.wait_for(m.bytes().data() + kBigFile - 1, 1); });
+  pager.stop();
+  waiter.join();
+  pager.run();
+  EXPECT_EQ(pager.done(), 0u);
+  SequentialPager empty(m.bytes().subspan(0, 0));
+  empty.run();
+  EXPECT_EQ(empty.done(), 0u);
 }
 
 }  // namespace

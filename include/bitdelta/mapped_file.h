@@ -1,8 +1,10 @@
 // Read-only memory mapping of a whole file (RAII).
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <filesystem>
+#include <mutex>
 #include <span>
 
 namespace bitdelta {
@@ -22,6 +24,37 @@ void release_pages(std::span<const std::byte> bytes);
 // (madvise MADV_POPULATE_READ; where the kernel lacks it, one read per page), so that later
 // accesses neither fault nor wait for the disk. Blocks until done; advice only, never throws.
 void populate_pages(std::span<const std::byte> bytes);
+
+// Pages a mapping in front to back, a chunk at a time (populate_pages), on the thread that calls
+// run(), while other threads wait for just the part they need: a loader copies a file's first
+// tensors while the disk still reads the rest, where populating the whole file first puts the copy
+// after the read. Waiting only orders the work: any access is correct at any time (an access
+// ahead of the pager faults its page in itself).
+class SequentialPager {
+ public:
+  explicit SequentialPager(std::span<const std::byte> bytes, size_t chunk_bytes = size_t(16) << 20);
+  SequentialPager(const SequentialPager&) = delete;
+  SequentialPager& operator=(const SequentialPager&) = delete;
+
+  // Pages the whole span in, front to back, and publishes the progress after each chunk. Returns
+  // early after stop(). Never throws.
+  void run();
+  // Returns once every byte of [p, p + n) that lies in the span has been paged in (at once for
+  // bytes outside it), or once stop() has been called.
+  void wait_for(const void* p, size_t n);
+  // Ends run() after its current chunk and releases every waiter: for a loader that has failed.
+  void stop();
+  // Bytes from the front of the span paged in so far.
+  size_t done() const;
+
+ private:
+  std::span<const std::byte> bytes_;
+  size_t chunk_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  size_t done_ = 0;
+  bool stopped_ = false;
+};
 
 class MappedFile {
  public:

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -39,6 +40,48 @@ void populate_pages(std::span<const std::byte> bytes) {
   if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ) == 0) return;
   volatile const std::byte* p = bytes.data();
   for (size_t i = 0; i < bytes.size(); i += page) (void)p[i];
+}
+
+SequentialPager::SequentialPager(std::span<const std::byte> bytes, size_t chunk_bytes)
+    : bytes_(bytes), chunk_(chunk_bytes > 0 ? chunk_bytes : 1) {}
+
+void SequentialPager::run() {
+  for (size_t at = 0; at < bytes_.size();) {
+    {
+      std::lock_guard lock(mu_);
+      if (stopped_) return;
+    }
+    const size_t n = std::min(chunk_, bytes_.size() - at);
+    populate_pages(bytes_.subspan(at, n));
+    at += n;
+    {
+      std::lock_guard lock(mu_);
+      done_ = at;
+    }
+    cv_.notify_all();
+  }
+}
+
+void SequentialPager::wait_for(const void* p, size_t n) {
+  const auto begin = reinterpret_cast<uintptr_t>(bytes_.data());
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  if (n == 0 || at >= begin + bytes_.size() || at + n <= begin) return;
+  const size_t need = std::min(size_t(at + n - begin), bytes_.size());
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return stopped_ || done_ >= need; });
+}
+
+void SequentialPager::stop() {
+  {
+    std::lock_guard lock(mu_);
+    stopped_ = true;
+  }
+  cv_.notify_all();
+}
+
+size_t SequentialPager::done() const {
+  std::lock_guard lock(mu_);
+  return done_;
 }
 
 MappedFile::MappedFile(const std::filesystem::path& path) : path_(path) {

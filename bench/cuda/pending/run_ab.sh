@@ -5,7 +5,9 @@
 # The GPU tests on the three builds, the kernel checks (normal and compute_80 builds), the (b) and
 # (a) benches with the patch's new forms (the A/B of the terms' zeroing in one process, each branch
 # of the route alone, the streaming kernel as the route's base, the chained read floors), and the 7B
-# mixed step at batch 8 and 32 with the zeroing A/B alternated twice. About 6-7 minutes: an
+# mixed step at batch 8 and 32 with the zeroing A/B alternated twice; each of those eight processes
+# also makes a cold load of one delta (session 43: the copy into pinned memory behind the disk
+# read, SequentialPager), printed with the disk floor measured beside it. About 6-7 minutes: an
 # estimate from the stages' times in earlier runs.
 set -uo pipefail
 root=$(pwd)
@@ -42,7 +44,8 @@ for round in 1 2; do
   for ab in memset quantize; do
     for B in 8 32; do
       if [ $ab = memset ]; then export BITDELTA_AB_MEMSET=1; else unset BITDELTA_AB_MEMSET; fi
-      echo "round $round $ab B=$B: $(.device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --batch $B --profile-case mixed 2>&1 | grep '^batch' | tr '\n' ' ')"
+      echo "round $round $ab B=$B: $(.device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --batch $B --profile-case mixed 2>&1 |
+        grep -E '^batch|^cold load|floor: disk' | tr '\n' ' ')"
     done
   done
 done
