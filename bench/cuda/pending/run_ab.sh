@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Written in session 42 (no device lent then), for the next session's first device call, with
-# terms_zeroed_by_quantize.patch applied and the bundle made (tools/device_bundle.sh):
+# terms_zeroed_by_quantize.patch and (session 43) cold_load_ab.patch applied and the bundle made
+# (tools/device_bundle.sh):
 #   run(command="bash bench/cuda/pending/run_ab.sh", carry=[".device/bundle.tar.xz"])
 # The GPU tests on the three builds, the kernel checks (normal and compute_80 builds), the (b) and
 # (a) benches with the patch's new forms (the A/B of the terms' zeroing in one process, each branch
 # of the route alone, the streaming kernel as the route's base, the chained read floors), and the 7B
 # mixed step at batch 8 and 32 with the zeroing A/B alternated twice; each of those eight processes
-# also makes a cold load of one delta (session 43: the copy into pinned memory behind the disk
-# read, SequentialPager), printed with the disk floor measured beside it. About 6-7 minutes: an
+# also makes a cold load of one delta, printed with the disk floor measured beside it: session 43's
+# copy into pinned memory behind the disk read (SequentialPager) in the first of every two, the
+# copy after the whole read (BITDELTA_AB_COLD_SERIAL=1) in the second. About 6-7 minutes: an
 # estimate from the stages' times in earlier runs.
 set -uo pipefail
 root=$(pwd)
@@ -44,12 +46,13 @@ for round in 1 2; do
   for ab in memset quantize; do
     for B in 8 32; do
       if [ $ab = memset ]; then export BITDELTA_AB_MEMSET=1; else unset BITDELTA_AB_MEMSET; fi
-      echo "round $round $ab B=$B: $(.device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --batch $B --profile-case mixed 2>&1 |
+      if [ $B = 32 ]; then export BITDELTA_AB_COLD_SERIAL=1; cold=serial; else unset BITDELTA_AB_COLD_SERIAL; cold=behind; fi
+      echo "round $round $ab B=$B cold=$cold: $(.device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --batch $B --profile-case mixed 2>&1 |
         grep -E '^batch|^cold load|floor: disk' | tr '\n' ' ')"
     done
   done
 done
-unset BITDELTA_AB_MEMSET
+unset BITDELTA_AB_MEMSET BITDELTA_AB_COLD_SERIAL
 stamp done
 } > $L 2>&1
 tail -c 11000 $L
