@@ -176,6 +176,35 @@ TEST_F(Cli, UnwritableOutputAndWrongBase) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
 }
 
+// Counts are refused below their least value (and a port above its greatest), in one line naming
+// the option, before anything is loaded: the argument parser would read -1 as 2^64 - 1 (a pool of that many threads never
+// started; --max-tokens -1 had no limit), and a JSON config's -1 or 2.5 converted the same way.
+TEST_F(Cli, NegativeAndZeroCountsAreRefused) {
+  const std::string gen = "generate " + p("base") + " --prompt-tokens 1,2 ";
+  expect_failure(gen + "--threads -1", {"--threads", "must not be negative", "-1"});
+  expect_failure(gen + "--max-tokens -3", {"--max-tokens", "must not be negative", "-3"});
+  expect_failure(gen + "--max-tokens 0", {"--max-tokens must be at least 1"});
+  expect_failure("compress " + p("base") + " " + p("ft") + " -o " + p("out/v.bitdelta") + " --threads -2",
+                 {"--threads", "must not be negative"});
+  expect_failure("serve " + p("base") + " --max-running -1", {"--max-running", "must not be negative"});
+  expect_failure("serve " + p("base") + " --port 70000", {"--port", "70000", "65535"});
+  expect_failure("bench serve --output-len 0 --url http://127.0.0.1:1", {"--output-len must be >= 1"});
+  // A config file's counts: a missing base behind them, so that a count let through fails otherwise.
+  const std::pair<const char*, nlohmann::json> bad[] = {
+      {"threads", -1}, {"max_running", 2.5}, {"max_queue", "8"}, {"http_threads", -4}, {"port", 70000}};
+  for (const auto& [field, value] : bad) {
+    const fs::path config = dir_ / "scratch" / "serve.json";
+    test::write_text(config, nlohmann::json{{"base", p("missing")}, {field, value}}.dump());
+    expect_failure("serve --config " + config.string(), {config.string(), field});
+  }
+  // The least values are taken.
+  const fs::path demo = fs::path(BITDELTA_SOURCE_DIR) / "models" / "demo" / "base";
+  if (!fs::exists(demo)) GTEST_SKIP() << "models/demo is missing";
+  const auto ok = run("generate " + demo.string() + " --prompt-tokens 1,2 --max-tokens 1 --threads 1 --json");
+  ASSERT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_EQ(nlohmann::json::parse(ok.out)["tokens"].size(), 1u) << ok.out;
+}
+
 // Where no CUDA device can be used (this build without CUDA, or no GPU), --device cuda is one line
 // naming the reason; a malformed --device names what it accepts.
 TEST_F(Cli, DeviceOptionWithoutAGpu) {

@@ -343,6 +343,8 @@ TEST(ModelConfig, ErrorsNameTheField) {
   j["architectures"] = {"MistralForCausalLM"};
   j["sliding_window"] = 16;
   EXPECT_NE(config_error(j).find("sliding-window"), std::string::npos);
+  j["sliding_window"] = -1;  // read as unsigned it was 2^64 - 1, which passed as no window
+  EXPECT_NE(config_error(j).find("field 'sliding_window' must be a positive integer"), std::string::npos);
   j = tiny_config();
   j["vocab_size"] = "many";
   EXPECT_NE(config_error(j).find("field 'vocab_size' must be a positive integer"), std::string::npos);

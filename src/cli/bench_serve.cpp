@@ -294,6 +294,7 @@ void run_bench(const BenchArgs& a) {
     fail("--endpoint must be completions or chat");
   if (a.num_requests == 0) fail("--num-requests must be >= 1");
   if (a.rate < 0) fail("--rate must be >= 0");
+  if (a.output_len == 0) fail("--output-len must be >= 1 (it is each request's max_tokens)");
   const auto mix = parse_mix(a.variants);
   std::mt19937_64 rng(a.seed);
   const auto prompts = load_prompts(a, rng);

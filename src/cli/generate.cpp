@@ -37,6 +37,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_flag("--json", a->json, R"(Print {"tokens", "text", "logprobs"} instead of streaming text)");
   cmd->callback([a] {
     if (a->prompt.empty() && a->prompt_tokens.empty()) fail("generate: give --prompt or --prompt-tokens");
+    if (a->max_tokens == 0) fail("generate: --max-tokens must be at least 1");
     a->sampling.validate();
     auto [model, variant] = load(a->model);
     const Tokenizer tokenizer(a->model.base);

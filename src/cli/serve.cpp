@@ -14,6 +14,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <type_traits>
 
 #include "bitdelta/compress.h"
 #include "bitdelta/engine.h"
@@ -95,8 +96,12 @@ void read_config(const fs::path& file, ServeArgs& a, std::vector<VariantSpec>& v
   };
   const auto get = [&](const char* key, auto& out) {
     if (!c.contains(key)) return;
+    using T = std::remove_reference_t<decltype(out)>;
+    // JSON's -1 or 2.5 would convert to a huge or truncated count without a word.
+    if constexpr (std::is_integral_v<T> && std::is_unsigned_v<T> && !std::is_same_v<T, bool>)
+      if (!c[key].is_number_unsigned()) fail(file.string(), ": field ", key, " must be a non-negative integer");
     try {
-      out = c[key].get<std::remove_reference_t<decltype(out)>>();
+      out = c[key].get<T>();
     } catch (const json::exception&) {
       fail(file.string(), ": field ", key, " has the wrong type");
     }
@@ -106,6 +111,8 @@ void read_config(const fs::path& file, ServeArgs& a, std::vector<VariantSpec>& v
   if (!base.empty()) a.base = rel(base).string();
   get("host", a.server.host);
   get("port", a.server.port);
+  if (a.server.port < 0 || a.server.port > 65535)
+    fail(file.string(), ": field port must be 0 to 65535, got ", a.server.port);
   get("api_key", a.server.api_key);
   get("base_name", a.engine.base_name);
   get("threads", a.engine.threads);
@@ -240,7 +247,9 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--config", a->config,
                   R"(JSON file: {"base", "variants": [{"name", "path", "pinned"}], options...})");
   cmd->add_option("--host", a->server.host, "Address to listen on")->capture_default_str();
-  cmd->add_option("--port", a->server.port, "Port (0: any free port)")->capture_default_str();
+  cmd->add_option("--port", a->server.port, "Port (0: any free port)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", a->server.api_key, "Require Authorization: Bearer KEY on /v1/*");
   cmd->add_option("--base-name", a->engine.base_name, "Model name of the base")
       ->capture_default_str();

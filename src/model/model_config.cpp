@@ -113,9 +113,9 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& source) {
   }
   if (j.value("mlp_bias", false)) fail(source, ": field 'mlp_bias' = true is not supported");
   if (c.architecture == "MistralForCausalLM" && r.has("sliding_window")) {
-    if (!j["sliding_window"].is_number_integer()) fail(source, ": field 'sliding_window' must be an integer");
-    if (j["sliding_window"].get<uint64_t>() < c.max_position)
-      fail(source, ": sliding-window attention (sliding_window ", j["sliding_window"].get<uint64_t>(),
+    const uint64_t window = r.positive("sliding_window");  // a negative one read as unsigned passed
+    if (window < c.max_position)
+      fail(source, ": sliding-window attention (sliding_window ", window,
            " < max_position_embeddings ", c.max_position, ") is not supported");
   }
   if (r.has("bos_token_id")) {
