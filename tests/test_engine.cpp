@@ -1,9 +1,11 @@
 // The engine end to end on the demo family: continuous batching across variants gives the same
 // tokens as running each request alone, a cold variant loads once for many requests, the cache
 // evicts by policy under a byte budget and keeps pinned variants, a broken delta fails only its
-// own requests, and a cancelled request frees its slot.
+// own requests, a cancelled request frees its slot, and the logit bias and penalties follow
+// their definition.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -266,6 +268,55 @@ TEST_F(EngineTest, CancelFreesTheSlotAndRefusalsAreClear) {
   bad = greedy(engine, "base", "a", 1);
   bad.sampling.temperature = -1;
   EXPECT_EQ(kind_of(bad), int(EngineError::Kind::BadRequest));
+}
+
+// Logit bias and the presence and frequency penalties in the engine's batched decode (and in
+// generate()) give the tokens of their definition, written here over score()'s logits of the whole sequence so far (so
+// neither the sampler nor the incremental decode path is the reference): the output alone is
+// penalized, and padded ids past the tokenizer's vocabulary are never chosen.
+TEST_F(EngineTest, PenaltiesAndLogitBiasFollowTheirDefinition) {
+  EngineOptions opt;
+  opt.threads = 2;
+  Engine engine(kDemo / "base", opt);
+  engine.add_variant("writer", delta("writer"));
+  Model model(kDemo / "base", 2);
+  const int variant = model.add_variant("writer", delta("writer"));
+  const Tokenizer& tok = engine.tokenizer();
+  const size_t n = 16, vocab = tok.vocab_size();
+  const auto prompt = tok.encode("The old house", true);
+  const int32_t boosted = prompt[1];  // a prompt token: bias only, no penalty until generated
+  const std::vector<std::pair<float, float>> penalties{{0.0f, 1.5f}, {1.2f, 0.0f}, {0.4f, 0.6f}};
+  for (const auto& [presence, frequency] : penalties) {
+    GenerationRequest r = greedy(engine, "writer", "The old house", n);
+    r.stop_at_eos = false;
+    r.sampling.presence_penalty = presence;
+    r.sampling.frequency_penalty = frequency;
+    r.sampling.logit_bias = {{boosted, 1.0f}, {3, -100.0f}};
+    Collector c;
+    auto h = engine.submit(r, c.callbacks());
+    ASSERT_TRUE(c.wait());
+    ASSERT_TRUE(c.error.empty()) << c.error;
+
+    std::vector<int32_t> sequence = prompt, expected;
+    while (expected.size() < n) {
+      const auto logits = score(model, variant, sequence).last_logits;
+      std::vector<double> z(logits.begin(), logits.begin() + long(vocab));
+      z[size_t(boosted)] += 1.0;
+      z[3] -= 100.0;
+      for (size_t id = 0; id < vocab; ++id) {
+        const auto count = std::count(expected.begin(), expected.end(), int32_t(id));
+        if (count > 0) z[id] -= double(count) * frequency + presence;
+      }
+      const int32_t next = int32_t(std::max_element(z.begin(), z.end()) - z.begin());
+      expected.push_back(next);
+      sequence.push_back(next);
+    }
+    EXPECT_EQ(c.tokens, expected) << "presence " << presence << ", frequency " << frequency;
+    StopConditions stop;  // no EOS: n tokens
+    stop.max_tokens = n;
+    EXPECT_EQ(generate(model, tok, variant, prompt, r.sampling, stop).tokens, expected)
+        << "generate(), presence " << presence << ", frequency " << frequency;
+  }
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// Sampler (greedy, determinism, the truncation chain, repetition penalty, parameter checks),
-// log_softmax, and StopChecker.
+// Sampler (greedy, determinism, the truncation chain, logit bias, repetition, presence and
+// frequency penalties, parameter checks), log_softmax, and StopChecker.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,17 +30,25 @@ int32_t argmax(const std::vector<float>& v) {
 }
 
 // The distribution written straight from the definition, over the whole vocabulary (0 = dropped):
-// penalty, temperature, top-k, softmax, top-p, min-p, renormalize.
+// logit bias, repetition penalty, presence and frequency penalties (on the last `generated` of
+// previous), temperature, top-k, softmax, top-p, min-p, renormalize.
 std::vector<double> reference(const std::vector<float>& logits, const SamplingParams& p,
-                              const std::vector<int32_t>& previous = {}) {
+                              const std::vector<int32_t>& previous = {}, size_t generated = 0) {
   const size_t n = logits.size();
   std::vector<double> z(logits.begin(), logits.end());
+  for (const auto& [id, bias] : p.logit_bias)
+    if (size_t(id) < n) z[size_t(id)] += bias;
   std::vector<bool> penalized(n, false);
   for (const int32_t id : previous) {
     if (penalized[size_t(id)]) continue;
     penalized[size_t(id)] = true;
     z[size_t(id)] = z[size_t(id)] > 0 ? z[size_t(id)] / p.repetition_penalty
                                       : z[size_t(id)] * p.repetition_penalty;
+  }
+  const std::vector<int32_t> output(previous.end() - long(generated), previous.end());
+  for (size_t id = 0; id < n; ++id) {
+    const auto count = std::count(output.begin(), output.end(), int32_t(id));
+    if (count > 0) z[id] -= double(count) * p.frequency_penalty + p.presence_penalty;
   }
   for (auto& x : z) x /= p.temperature;
   std::vector<size_t> order(n);
@@ -133,6 +141,9 @@ std::vector<SamplingParams> chains() {
       {.temperature = 1.0f, .min_p = 0.3f},
       {.temperature = 1.3f, .top_k = 5, .top_p = 0.8f, .min_p = 0.15f},
       {.temperature = 0.8f, .top_k = 6, .top_p = 0.9f, .repetition_penalty = 1.8f},
+      {.temperature = 0.9f, .presence_penalty = 0.7f, .frequency_penalty = 0.4f},
+      {.temperature = 1.1f, .top_p = 0.9f, .repetition_penalty = 1.3f, .presence_penalty = -0.5f,
+       .frequency_penalty = 1.2f, .logit_bias = {{1, 2.5f}, {4, -1.0f}, {99, 5.0f}}},
   };
 }
 
@@ -140,8 +151,10 @@ TEST(Sampler, DistributionMatchesDefinition) {
   const std::vector<int32_t> previous = {0, 4, 4, 5};
   for (const auto& p : chains()) {
     Sampler sampler(p);
-    const auto expected = reference(kSmallVocab, p, previous);
-    const auto got = sampler.distribution(kSmallVocab, previous);
+    // The last three of previous are the output: token 0 is prompt only, 4 was generated once
+    // and also in the prompt, 5 once.
+    const auto expected = reference(kSmallVocab, p, previous, 3);
+    const auto got = sampler.distribution(kSmallVocab, previous, 3);
     std::vector<double> full(kSmallVocab.size(), 0.0);
     double last = 2.0;
     for (const auto& t : got) {
@@ -240,6 +253,39 @@ TEST(Sampler, RepetitionPenaltyChangesArgmax) {
   EXPECT_EQ(encourage.sample(std::vector<float>{2.0f, 1.2f}, std::vector<int32_t>{1, 7, -3}), 1);
 }
 
+TEST(Sampler, PresenceAndFrequencyPenaltiesCountOnlyTheOutput) {
+  const std::vector<float> logits{2.0f, 1.5f, 0.0f};
+  const std::vector<int32_t> twice{0, 0};
+  // Token 0 in the prompt only: no penalty, whatever its count.
+  Sampler presence({.temperature = 0.0f, .presence_penalty = 0.6f});
+  EXPECT_EQ(presence.sample(logits, twice, 0), 0);
+  // Generated: 2.0 - 0.6 = 1.4 < 1.5, once however often it was generated.
+  EXPECT_EQ(presence.sample(logits, twice, 1), 1);
+  EXPECT_EQ(presence.sample(logits, std::vector<int32_t>{0}, 1), 1);
+  Sampler presence_small({.temperature = 0.0f, .presence_penalty = 0.4f});
+  EXPECT_EQ(presence_small.sample(logits, twice, 2), 0);  // 1.6 > 1.5
+  // Frequency: 0.3 per time: once 1.7 > 1.5, twice 1.4 < 1.5.
+  Sampler frequency({.temperature = 0.0f, .frequency_penalty = 0.3f});
+  EXPECT_EQ(frequency.sample(logits, twice, 1), 0);
+  EXPECT_EQ(frequency.sample(logits, twice, 2), 1);
+  // Negative values encourage repeating; ids outside the logits are ignored; a count past the
+  // tokens given is all of them.
+  Sampler encourage({.temperature = 0.0f, .frequency_penalty = -1.5f});
+  EXPECT_EQ(encourage.sample(logits, std::vector<int32_t>{2, 9, 2, -4}, 99), 2);  // 0 + 3 > 2
+}
+
+TEST(Sampler, LogitBiasIsAddedBeforeEverythingElse) {
+  const std::vector<float> logits{2.0f, 1.5f, 0.0f};
+  Sampler push({.temperature = 0.0f, .logit_bias = {{2, 2.5f}}});
+  EXPECT_EQ(push.sample(logits, {}), 2);  // 2.5 > 2.0
+  Sampler ban({.temperature = 0.0f, .logit_bias = {{0, -100.0f}, {7, 100.0f}}});
+  EXPECT_EQ(ban.sample(logits, {}), 1);  // id 7 is outside the logits: ignored
+  // Sampling: a -100 bias leaves the token a probability below e^-90 of the others'.
+  Sampler banned({.temperature = 1.0f, .logit_bias = {{0, -100.0f}}});
+  for (const auto& t : banned.distribution(logits, {}))
+    if (t.id == 0) EXPECT_LT(t.p, 1e-39);
+}
+
 // --- parameters and bad input
 // ------------------------------------------------------------------------
 
@@ -269,6 +315,14 @@ TEST(Sampler, ValidateNamesTheField) {
   expect_invalid({.min_p = 1.5f}, "min_p");
   expect_invalid({.repetition_penalty = 0.0f}, "repetition_penalty");
   expect_invalid({.repetition_penalty = -1.0f}, "repetition_penalty");
+  expect_invalid({.presence_penalty = 2.5f}, "presence_penalty");
+  expect_invalid({.presence_penalty = nan}, "presence_penalty");
+  expect_invalid({.frequency_penalty = -2.01f}, "frequency_penalty");
+  expect_invalid({.logit_bias = {{3, 100.5f}}}, "logit_bias");
+  expect_invalid({.logit_bias = {{-1, 1.0f}}}, "logit_bias");
+  EXPECT_NO_THROW((SamplingParams{.presence_penalty = -2, .frequency_penalty = 2,
+                                  .logit_bias = {{0, -100.0f}, {5, 100.0f}}}
+                       .validate()));
 }
 
 TEST(Sampler, BadLogits) {

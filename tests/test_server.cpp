@@ -227,6 +227,25 @@ TEST(Protocol, ValidatesEveryFieldByName) {
   EXPECT_NE(message_of(R"({"prompt": "x", "max_tokens": 1000})").find("context is 256"),
             std::string::npos);
   EXPECT_EQ(message_of(R"({"prompt": "x", "n": 2})"), "n must be 1 (one choice per request)");
+  const auto penalized = parse(
+      R"({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1.25, "logit_bias": {"7": -100, "12": 3.5}})");
+  EXPECT_EQ(penalized.engine.sampling.presence_penalty, 0.5f);
+  EXPECT_EQ(penalized.engine.sampling.frequency_penalty, -1.25f);
+  EXPECT_EQ(penalized.engine.sampling.logit_bias,
+            (std::vector<std::pair<int32_t, float>>{{12, 3.5f}, {7, -100.0f}}));
+  EXPECT_EQ(message_of(R"({"prompt": "x", "presence_penalty": 2.5})"),
+            "presence_penalty must be in [-2, 2]");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "frequency_penalty": "high"})"),
+            "frequency_penalty must be a number");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "logit_bias": [1]})"),
+            "logit_bias must be an object mapping token ids to biases");
+  for (const char* key : {"300", "-1", "x1", "", "99999999999"})
+    EXPECT_EQ(message_of(json{{"prompt", "x"}, {"logit_bias", {{key, 1}}}}.dump()),
+              std::string("logit_bias: key '") + key + "' must be a token id between 0 and 299");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "logit_bias": {"5": 101}})"),
+            "logit_bias[\"5\"] must be a number in [-100, 100]");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "logit_bias": {"5": "up"}})"),
+            "logit_bias[\"5\"] must be a number in [-100, 100]");
   EXPECT_EQ(message_of(R"({"prompt": "x", "stop": ""})"), "stop must not be an empty string");
   EXPECT_EQ(message_of(R"({"prompt": "x", "stop": [1]})"), "stop[0] must be a string");
   EXPECT_EQ(message_of(R"({"prompt": "x", "logprobs": 21})"),

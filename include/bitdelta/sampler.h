@@ -1,5 +1,6 @@
-// Choosing the next token from logits (temperature, top-k, top-p, min-p, repetition penalty),
-// deciding when generation stops (EOS, stop strings, token limit), and log-softmax for logprobs.
+// Choosing the next token from logits (logit bias, repetition, presence and frequency penalties,
+// temperature, top-k, top-p, min-p), deciding when generation stops (EOS, stop strings, token
+// limit), and log-softmax for logprobs.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace bitdelta {
@@ -18,7 +20,10 @@ struct SamplingParams {
   float top_p = 1.0f;               // keep the smallest set with probability >= top_p; in (0, 1]
   float min_p = 0.0f;               // drop tokens with p < min_p * p_max; in [0, 1]
   float repetition_penalty = 1.0f;  // > 0; 1 = off
+  float presence_penalty = 0.0f;    // in [-2, 2]: subtracted once from each id already generated
+  float frequency_penalty = 0.0f;   // in [-2, 2]: subtracted per time an id was generated
   uint64_t seed = 0;
+  std::vector<std::pair<int32_t, float>> logit_bias;  // (token id, added to its logit: [-100, 100])
 
   // Throws Error naming the first bad field and its value.
   void validate() const;
@@ -37,17 +42,22 @@ class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);  // validates
 
-  // Order: repetition penalty (for ids in previous_tokens: logit > 0 -> logit / penalty, else
-  // logit * penalty) -> greedy if temperature == 0 -> temperature -> top-k (exactly k, lower id
-  // first among equal logits) -> softmax -> top-p -> min-p -> renormalize -> draw. NaN logits are
-  // never chosen. previous_tokens ids outside the logits are ignored. Throws Error if logits is
-  // empty or has no finite or +inf value.
-  int32_t sample(std::span<const float> logits, std::span<const int32_t> previous_tokens);
+  // previous_tokens are the sequence's tokens so far, the last `generated` of them its output
+  // (the rest its prompt). Order: logit bias (added) -> repetition penalty (for ids anywhere in
+  // previous_tokens, once each: logit > 0 -> logit / penalty, else logit * penalty) -> presence and
+  // frequency penalties (for ids in the output, as the OpenAI API defines them: logit -= count *
+  // frequency + presence) -> greedy if temperature == 0 -> temperature -> top-k (exactly k, lower
+  // id first among equal logits) -> softmax -> top-p -> min-p -> renormalize -> draw. NaN logits
+  // are never chosen. Ids outside the logits (in previous_tokens or logit_bias) are ignored. Throws
+  // Error if logits is empty or has no finite or +inf value.
+  int32_t sample(std::span<const float> logits, std::span<const int32_t> previous_tokens,
+                 size_t generated = 0);
 
   // The renormalized distribution sample() draws from, most likely first (ties: lower id first).
   // For greedy it is the single argmax with p = 1. Consumes no randomness.
   std::vector<TokenProbability> distribution(std::span<const float> logits,
-                                             std::span<const int32_t> previous_tokens);
+                                             std::span<const int32_t> previous_tokens,
+                                             size_t generated = 0);
 
   const SamplingParams& params() const { return params_; }
 
@@ -57,13 +67,15 @@ class Sampler {
     double weight;  // exp(logit - max logit)
     int32_t id;
   };
-  void build(std::span<const float> logits, std::span<const int32_t> previous_tokens);
+  void build(std::span<const float> logits, std::span<const int32_t> previous_tokens,
+             size_t generated);
   double uniform();  // [0, 1), 53 random bits
 
   SamplingParams params_;
   std::mt19937_64 rng_;
-  std::vector<float> penalized_;        // scratch: logits after the repetition penalty
+  std::vector<float> penalized_;        // scratch: logits after the bias and penalties
   std::vector<uint8_t> seen_;           // scratch: marks of previous tokens
+  std::vector<uint32_t> counts_;        // scratch: how often each id was generated
   std::vector<Candidate> candidates_;   // scratch
   std::vector<TokenProbability> kept_;  // the distribution of the last build()
 };

@@ -1,6 +1,6 @@
 // bitdelta generate BASE [--delta FILE] (--prompt TEXT | --prompt-tokens 1,2,3) [--max-tokens N]
-//   [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--repetition-penalty R] [--seed S]
-//   [--stop STR ...] [--json]
+//   [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--repetition-penalty R]
+//   [--presence-penalty P] [--frequency-penalty F] [--seed S] [--stop STR ...] [--json]
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -32,6 +32,9 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--top-k", a->sampling.top_k, "0: off");
   cmd->add_option("--min-p", a->sampling.min_p);
   cmd->add_option("--repetition-penalty", a->sampling.repetition_penalty);
+  cmd->add_option("--presence-penalty", a->sampling.presence_penalty, "[-2, 2], on generated tokens");
+  cmd->add_option("--frequency-penalty", a->sampling.frequency_penalty,
+                  "[-2, 2], per time a token was generated");
   cmd->add_option("--seed", a->sampling.seed);
   cmd->add_option("--stop", a->stop, "Stop before this string (repeatable)");
   cmd->add_flag("--json", a->json, R"(Print {"tokens", "text", "logprobs"} instead of streaming text)");

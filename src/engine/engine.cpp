@@ -358,7 +358,7 @@ struct Engine::Impl {
       std::fill(masked.begin() + long(tokenizer.vocab_size()), masked.end(), -INFINITY);
       l = masked;
     }
-    const int32_t token = r.sampler->sample(l, r.history);
+    const int32_t token = r.sampler->sample(l, r.history, r.generated);
     const auto lp = log_softmax(l);
     TokenLogprob t{token, lp[size_t(token)], {}};
     if (r.req.top_logprobs > 0) {

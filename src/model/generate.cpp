@@ -52,7 +52,7 @@ GenerateResult generate(Model& model, const Tokenizer& tokenizer, int variant, s
   const size_t max_len = model.config().max_position;
   while (!checker.done()) {
     if (seq.length >= max_len) break;  // no room left: finish() reports "length"
-    const int32_t token = sampler.sample(logits, history);
+    const int32_t token = sampler.sample(logits, history, r.tokens.size());
     r.tokens.push_back(token);
     r.logprobs.push_back(log_softmax(logits)[size_t(token)]);
     history.push_back(token);

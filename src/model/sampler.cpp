@@ -23,6 +23,15 @@ void SamplingParams::validate() const {
   if (!std::isfinite(repetition_penalty) || repetition_penalty <= 0)
     fail("sampling parameter repetition_penalty must be a finite number > 0, got ",
          repetition_penalty);
+  if (!(presence_penalty >= -2 && presence_penalty <= 2))
+    fail("sampling parameter presence_penalty must be in [-2, 2], got ", presence_penalty);
+  if (!(frequency_penalty >= -2 && frequency_penalty <= 2))
+    fail("sampling parameter frequency_penalty must be in [-2, 2], got ", frequency_penalty);
+  for (const auto& [id, bias] : logit_bias) {
+    if (id < 0) fail("sampling parameter logit_bias: token id ", id, " is negative");
+    if (!(bias >= -100 && bias <= 100))
+      fail("sampling parameter logit_bias of token ", id, " must be in [-100, 100], got ", bias);
+  }
 }
 
 Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {
@@ -33,10 +42,13 @@ double Sampler::uniform() {
   return static_cast<double>(rng_() >> 11) * 0x1.0p-53;
 }
 
-void Sampler::build(std::span<const float> logits, std::span<const int32_t> previous_tokens) {
+void Sampler::build(std::span<const float> logits, std::span<const int32_t> previous_tokens,
+                    size_t generated) {
   const size_t n = logits.size();
   if (n == 0) fail("sampler: empty logits");
   penalized_.assign(logits.begin(), logits.end());
+  for (const auto& [id, bias] : params_.logit_bias)
+    if (static_cast<size_t>(id) < n) penalized_[size_t(id)] += bias;
   if (params_.repetition_penalty != 1.0f) {
     // Once per distinct token, however often it occurred (as Hugging Face does).
     seen_.assign(n, 0);
@@ -45,6 +57,18 @@ void Sampler::build(std::span<const float> logits, std::span<const int32_t> prev
       seen_[size_t(id)] = 1;
       float& x = penalized_[size_t(id)];
       x = x > 0 ? x / params_.repetition_penalty : x * params_.repetition_penalty;
+    }
+  }
+  if (params_.presence_penalty != 0.0f || params_.frequency_penalty != 0.0f) {
+    const auto output = previous_tokens.last(std::min(generated, previous_tokens.size()));
+    counts_.assign(n, 0);
+    for (const int32_t id : output)
+      if (id >= 0 && static_cast<size_t>(id) < n) ++counts_[size_t(id)];
+    for (const int32_t id : output) {
+      if (id < 0 || static_cast<size_t>(id) >= n || counts_[size_t(id)] == 0) continue;
+      const float count = float(counts_[size_t(id)]);
+      penalized_[size_t(id)] -= count * params_.frequency_penalty + params_.presence_penalty;
+      counts_[size_t(id)] = 0;  // once per distinct token
     }
   }
 
@@ -117,8 +141,9 @@ void Sampler::build(std::span<const float> logits, std::span<const int32_t> prev
     if (c.weight >= min_weight) kept_.push_back({c.id, c.weight / kept_total});
 }
 
-int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> previous_tokens) {
-  build(logits, previous_tokens);
+int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> previous_tokens,
+                        size_t generated) {
+  build(logits, previous_tokens, generated);
   if (kept_.size() == 1) return kept_[0].id;  // greedy draws no random number
   const double u = uniform();
   double cumulative = 0.0;
@@ -130,8 +155,9 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
 }
 
 std::vector<TokenProbability> Sampler::distribution(std::span<const float> logits,
-                                                    std::span<const int32_t> previous_tokens) {
-  build(logits, previous_tokens);
+                                                    std::span<const int32_t> previous_tokens,
+                                                    size_t generated) {
+  build(logits, previous_tokens, generated);
   std::vector<TokenProbability> out = kept_;
   std::sort(out.begin(), out.end(), [](const TokenProbability& a, const TokenProbability& b) {
     return a.p > b.p || (a.p == b.p && a.id < b.id);

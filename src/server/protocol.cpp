@@ -182,7 +182,7 @@ void parse_stop(const json& body, ParsedRequest& r) {
   }
 }
 
-void parse_sampling(const json& body, ParsedRequest& r) {
+void parse_sampling(const json& body, const ModelInfo& model, ParsedRequest& r) {
   SamplingParams& s = r.engine.sampling;
   s.temperature = float(get_number(body, "temperature", 1.0));
   if (s.temperature < 0) bad("temperature must be >= 0");
@@ -208,11 +208,31 @@ void parse_sampling(const json& body, ParsedRequest& r) {
     // No seed: every request draws differently, as the OpenAI API does.
     s.seed = std::random_device{}() * 0x100000001ull + std::random_device{}();
   }
-  for (const char* f : {"presence_penalty", "frequency_penalty"})
-    if (get_number(body, f, 0.0) != 0) bad(str(f, " is not supported (use repetition_penalty)"));
-  if (present(body, "logit_bias") &&
-      !(body["logit_bias"].is_object() && body["logit_bias"].empty()))
-    bad("logit_bias is not supported");
+  s.presence_penalty = float(get_number(body, "presence_penalty", 0.0));
+  if (!(s.presence_penalty >= -2 && s.presence_penalty <= 2))
+    bad("presence_penalty must be in [-2, 2]");
+  s.frequency_penalty = float(get_number(body, "frequency_penalty", 0.0));
+  if (!(s.frequency_penalty >= -2 && s.frequency_penalty <= 2))
+    bad("frequency_penalty must be in [-2, 2]");
+  if (present(body, "logit_bias")) {
+    const json& bias = body["logit_bias"];
+    if (!bias.is_object()) bad("logit_bias must be an object mapping token ids to biases");
+    const size_t vocab = model.tokenizer->vocab_size();
+    for (const auto& [key, value] : bias.items()) {
+      // Keys are token ids written in decimal, as the OpenAI API has them.
+      size_t id = 0;
+      bool ok = !key.empty() && key.size() <= 10;
+      for (const char ch : key) {
+        ok = ok && ch >= '0' && ch <= '9';
+        id = id * 10 + size_t(ch - '0');  // at most 10 digits: no overflow
+      }
+      if (!ok || id >= vocab)
+        bad(str("logit_bias: key '", key, "' must be a token id between 0 and ", vocab - 1));
+      if (!value.is_number() || !(value.get<double>() >= -100 && value.get<double>() <= 100))
+        bad(str("logit_bias[\"", key, "\"] must be a number in [-100, 100]"));
+      s.logit_bias.emplace_back(int32_t(id), float(value.get<double>()));
+    }
+  }
   try {
     s.validate();
   } catch (const Error& e) {
@@ -308,7 +328,7 @@ ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelI
     r.engine.stop.max_tokens = chat ? room : std::min<size_t>(16, room);
   }
 
-  parse_sampling(body, r);
+  parse_sampling(body, model, r);
   parse_stop(body, r);
   r.engine.stop_at_eos = !get_bool(body, "ignore_eos", false);
   if (present(body, "stop_token_ids")) {
