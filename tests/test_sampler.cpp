@@ -282,8 +282,11 @@ TEST(Sampler, LogitBiasIsAddedBeforeEverythingElse) {
   EXPECT_EQ(ban.sample(logits, {}), 1);  // id 7 is outside the logits: ignored
   // Sampling: a -100 bias leaves the token a probability below e^-90 of the others'.
   Sampler banned({.temperature = 1.0f, .logit_bias = {{0, -100.0f}}});
-  for (const auto& t : banned.distribution(logits, {}))
-    if (t.id == 0) EXPECT_LT(t.p, 1e-39);
+  for (const auto& t : banned.distribution(logits, {})) {
+    if (t.id == 0) {
+      EXPECT_LT(t.p, 1e-39);
+    }
+  }
 }
 
 // --- parameters and bad input
