@@ -189,6 +189,7 @@ TEST_F(Cli, NegativeAndZeroCountsAreRefused) {
   expect_failure("serve " + p("base") + " --max-running -1", {"--max-running", "must not be negative"});
   expect_failure("serve " + p("base") + " --port 70000", {"--port", "70000", "65535"});
   expect_failure("bench serve --output-len 0 --url http://127.0.0.1:1", {"--output-len must be >= 1"});
+  expect_failure("compres " + p("base"), {"unknown subcommand 'compres'", "compress, inspect"});
   // A config file's counts: a missing base behind them, so that a count let through fails otherwise.
   const std::pair<const char*, nlohmann::json> bad[] = {
       {"threads", -1}, {"max_running", 2.5}, {"max_queue", "8"}, {"http_threads", -4}, {"port", 70000}};

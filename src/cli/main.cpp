@@ -16,7 +16,8 @@ void refuse_negative_counts(CLI::App& app) {
       o->check(CLI::Validator(
           [](std::string& v) {
             const auto at = v.find_first_not_of(" \t");
-            return at != std::string::npos && v[at] == '-' ? "must not be negative, got " + v : std::string();
+            return at != std::string::npos && v[at] == '-' ? "must not be negative, got " + v
+                                                           : std::string();
           },
           ""));
   for (CLI::App* sub : app.get_subcommands({})) refuse_negative_counts(*sub);
@@ -37,6 +38,20 @@ int main(int argc, char** argv) {
   bitdelta::cli::add_serve_command(app);
   bitdelta::cli::add_bench_command(app);
   refuse_negative_counts(app);
+  // The parser would call an unknown first word "A subcommand is required"; name it instead.
+  if (argc > 1 && argv[1][0] != '-') {
+    std::string names;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands({})) {
+      known = known || sub->get_name() == argv[1];
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      std::fprintf(stderr, "bitdelta: error: unknown subcommand '%s' (one of: %s)\n", argv[1],
+                   names.c_str());
+      return int(CLI::ExitCodes::ExtrasError);
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
