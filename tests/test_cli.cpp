@@ -176,10 +176,11 @@ TEST_F(Cli, UnwritableOutputAndWrongBase) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
 }
 
-// Counts are refused below their least value (and a port above its greatest), in one line naming
-// the option, before anything is loaded: the argument parser would read -1 as 2^64 - 1 (a pool of that many threads never
-// started; --max-tokens -1 had no limit), and a JSON config's -1 or 2.5 converted the same way.
-TEST_F(Cli, NegativeAndZeroCountsAreRefused) {
+// Bad arguments are refused in one line naming the option (or the unknown subcommand), before
+// anything is loaded. Among them counts below their least value and a port above its greatest:
+// the argument parser read -1 as 2^64 - 1 (a pool of that many threads never started;
+// --max-tokens -1 had no limit), and a JSON config's -1 or 2.5 converted the same way.
+TEST_F(Cli, BadArgumentsAreRefusedInOneLine) {
   const std::string gen = "generate " + p("base") + " --prompt-tokens 1,2 ";
   expect_failure(gen + "--threads -1", {"--threads", "must not be negative", "-1"});
   expect_failure(gen + "--max-tokens -3", {"--max-tokens", "must not be negative", "-3"});
