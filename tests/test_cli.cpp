@@ -199,9 +199,12 @@ TEST_F(Cli, BadArgumentsAreRefusedInOneLine) {
     test::write_text(config, nlohmann::json{{"base", p("missing")}, {field, value}}.dump());
     expect_failure("serve --config " + config.string(), {config.string(), field});
   }
-  // The least values are taken.
   const fs::path demo = fs::path(BITDELTA_SOURCE_DIR) / "models" / "demo" / "base";
   if (!fs::exists(demo)) GTEST_SKIP() << "models/demo is missing";
+  // Past the pool's limit (every parallel loop wakes every thread: 100000 never finished a step).
+  expect_failure("generate " + demo.string() + " --prompt-tokens 1,2 --threads 5000",
+                 {"5000 compute threads asked for; at most 1024"});
+  // The least values are taken.
   const auto ok = run("generate " + demo.string() + " --prompt-tokens 1,2 --max-tokens 1 --threads 1 --json");
   ASSERT_EQ(ok.exit_code, 0) << ok.err;
   EXPECT_EQ(nlohmann::json::parse(ok.out)["tokens"].size(), 1u) << ok.out;

@@ -12,7 +12,10 @@ namespace bitdelta {
 
 class ThreadPool {
  public:
-  // threads = 0 picks the number of hardware threads.
+  static constexpr size_t kMaxThreads = 1024;
+
+  // threads = 0 picks the number of hardware threads. Throws Error past kMaxThreads, or if the
+  // threads cannot be started.
   explicit ThreadPool(size_t threads = 0);
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -26,6 +29,7 @@ class ThreadPool {
 
  private:
   void worker_loop(size_t index);
+  void stop_workers();
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;

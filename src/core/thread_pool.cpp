@@ -1,21 +1,36 @@
 #include "bitdelta/thread_pool.h"
 
 #include <algorithm>
+#include <system_error>
+
+#include "bitdelta/error.h"
 
 namespace bitdelta {
 
 ThreadPool::ThreadPool(size_t threads) {
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
-  for (size_t i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  // Every parallel loop wakes every thread: 100000 of them on two cores never finished a step.
+  if (threads > kMaxThreads)
+    fail(threads, " compute threads asked for; at most ", kMaxThreads, " (this machine has ",
+         std::thread::hardware_concurrency(), ")");
+  try {
+    for (size_t i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  } catch (const std::system_error& e) {
+    stop_workers();  // joinable threads must not be destroyed
+    fail("cannot start ", threads, " compute threads: ", e.what());
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+void ThreadPool::stop_workers() {
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
+  workers_.clear();
 }
 
 static void run_chunk(const std::function<void(size_t, size_t)>& fn, size_t n, size_t index,
