@@ -185,15 +185,21 @@ TEST_F(Cli, BadArgumentsAreRefusedInOneLine) {
   expect_failure(gen + "--threads -1", {"--threads", "must not be negative", "-1"});
   expect_failure(gen + "--max-tokens -3", {"--max-tokens", "must not be negative", "-3"});
   expect_failure(gen + "--max-tokens 0", {"--max-tokens must be at least 1"});
-  expect_failure("compress " + p("base") + " " + p("ft") + " -o " + p("out/v.bitdelta") + " --threads -2",
-                 {"--threads", "must not be negative"});
-  expect_failure("serve " + p("base") + " --max-running -1", {"--max-running", "must not be negative"});
+  expect_failure(
+      "compress " + p("base") + " " + p("ft") + " -o " + p("out/v.bitdelta") + " --threads -2",
+      {"--threads", "must not be negative"});
+  expect_failure("serve " + p("base") + " --max-running -1",
+                 {"--max-running", "must not be negative"});
   expect_failure("serve " + p("base") + " --port 70000", {"--port", "70000", "65535"});
-  expect_failure("bench serve --output-len 0 --url http://127.0.0.1:1", {"--output-len must be >= 1"});
+  expect_failure("bench serve --output-len 0 --url http://127.0.0.1:1",
+                 {"--output-len must be >= 1"});
   expect_failure("compres " + p("base"), {"unknown subcommand 'compres'", "compress, inspect"});
-  // A config file's counts: a missing base behind them, so that a count let through fails otherwise.
-  const std::pair<const char*, nlohmann::json> bad[] = {
-      {"threads", -1}, {"max_running", 2.5}, {"max_queue", "8"}, {"http_threads", -4}, {"port", 70000}};
+  // A config file's counts, with a missing base: a count let through would fail on that instead.
+  const std::pair<const char*, nlohmann::json> bad[] = {{"threads", -1},
+                                                        {"max_running", 2.5},
+                                                        {"max_queue", "8"},
+                                                        {"http_threads", -4},
+                                                        {"port", 70000}};
   for (const auto& [field, value] : bad) {
     const fs::path config = dir_ / "scratch" / "serve.json";
     test::write_text(config, nlohmann::json{{"base", p("missing")}, {field, value}}.dump());
@@ -204,8 +210,11 @@ TEST_F(Cli, BadArgumentsAreRefusedInOneLine) {
   // Past the pool's limit (every parallel loop wakes every thread: 100000 never finished a step).
   expect_failure("generate " + demo.string() + " --prompt-tokens 1,2 --threads 5000",
                  {"5000 compute threads asked for; at most 1024"});
+  expect_failure("serve " + demo.string() + " --http-threads 5000",
+                 {"http_threads is 5000; at most 4096"});
   // The least values are taken.
-  const auto ok = run("generate " + demo.string() + " --prompt-tokens 1,2 --max-tokens 1 --threads 1 --json");
+  const auto ok =
+      run("generate " + demo.string() + " --prompt-tokens 1,2 --max-tokens 1 --threads 1 --json");
   ASSERT_EQ(ok.exit_code, 0) << ok.err;
   EXPECT_EQ(nlohmann::json::parse(ok.out)["tokens"].size(), 1u) << ok.out;
 }
@@ -215,14 +224,17 @@ TEST_F(Cli, BadArgumentsAreRefusedInOneLine) {
 TEST_F(Cli, DeviceOptionWithoutAGpu) {
   const std::string base = (fs::path(BITDELTA_SOURCE_DIR) / "models" / "demo" / "base").string();
   if (!fs::exists(base)) GTEST_SKIP() << "models/demo is missing";
-  if (cuda::unavailable_reason().empty()) GTEST_SKIP() << "a CUDA device is usable here (tests/gpu cover it)";
-  for (const char* cmd : {"score BASE --tokens 1,2,3", "generate BASE --prompt-tokens 1,2 --max-tokens 2"}) {
+  if (cuda::unavailable_reason().empty())
+    GTEST_SKIP() << "a CUDA device is usable here (tests/gpu cover it)";
+  for (const char* cmd :
+       {"score BASE --tokens 1,2,3", "generate BASE --prompt-tokens 1,2 --max-tokens 2"}) {
     std::string args = cmd;
     args.replace(args.find("BASE"), 4, base);
     expect_failure(args + " --device cuda", {"--device cuda", cuda::unavailable_reason()});
     expect_failure(args + " --device tpu", {"--device", "'tpu'", "cpu, cuda or cuda:N"});
-    // --cuda-graphs is on or off (on the CPU it changes nothing); anything else is refused naming it
-    // (as the argument parser refuses a bad value of any option: the message, then where help is).
+    // --cuda-graphs is on or off (on the CPU it changes nothing); anything else is refused naming
+    // it (as the argument parser refuses a bad value of any option: the message, then where help
+    // is).
     const auto off = run(args + " --cuda-graphs off");
     EXPECT_EQ(off.exit_code, 0) << off.err;
     const auto bad = run(args + " --cuda-graphs maybe");

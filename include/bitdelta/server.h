@@ -11,12 +11,17 @@
 
 namespace bitdelta {
 
+// Each connection holds a thread: past this many, a typo (--http-threads 100000) exhausted the
+// machine's threads before the server answered anything.
+inline constexpr size_t kMaxHttpThreads = 4096;
+
 struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 8080;                     // 0: any free port (bind() returns it)
   std::string api_key;                 // when set, /v1/* require "Authorization: Bearer <key>"
   std::filesystem::path variants_dir;  // /v1/variants/load reads only below it; empty: refused
-  size_t http_threads = 64;            // connections served at once (each waits on its request)
+  size_t http_threads = 64;            // connections served at once (each waits on its request);
+                                       // at most kMaxHttpThreads
   size_t max_body_bytes = 16u << 20;   // larger request bodies are refused (413)
 };
 

@@ -99,7 +99,8 @@ void read_config(const fs::path& file, ServeArgs& a, std::vector<VariantSpec>& v
     using T = std::remove_reference_t<decltype(out)>;
     // JSON's -1 or 2.5 would convert to a huge or truncated count without a word.
     if constexpr (std::is_integral_v<T> && std::is_unsigned_v<T> && !std::is_same_v<T, bool>)
-      if (!c[key].is_number_unsigned()) fail(file.string(), ": field ", key, " must be a non-negative integer");
+      if (!c[key].is_number_unsigned())
+        fail(file.string(), ": field ", key, " must be a non-negative integer");
     try {
       out = c[key].get<T>();
     } catch (const json::exception&) {
@@ -324,7 +325,7 @@ void add_serve_command(CLI::App& app) {
     // excess clients would queue unseen in the HTTP layer instead of getting 429.
     if (args.server.http_threads == 0)
       args.server.http_threads =
-          std::min<size_t>(args.engine.max_running + args.engine.max_queue + 16, 4096);
+          std::min<size_t>(args.engine.max_running + args.engine.max_queue + 16, kMaxHttpThreads);
 
     std::vector<std::pair<std::string, fs::path>> deltas;
     for (const auto& v : variants)

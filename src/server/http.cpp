@@ -79,6 +79,9 @@ Server::Server(Engine& engine, ServerOptions options)
   }
 
   // Each connection holds a thread while its request runs, so the pool bounds concurrent requests.
+  if (ctx.options.http_threads > kMaxHttpThreads)
+    fail("http_threads is ", ctx.options.http_threads, "; at most ", kMaxHttpThreads,
+         " (each connection holds a thread)");
   const size_t threads = std::max<size_t>(ctx.options.http_threads, 2);
   http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   // httplib's default also sets SO_REUSEPORT, which lets a second server bind the same port
