@@ -61,7 +61,9 @@ void Sampler::build(std::span<const float> logits, std::span<const int32_t> prev
   }
   if (params_.presence_penalty != 0.0f || params_.frequency_penalty != 0.0f) {
     const auto output = previous_tokens.last(std::min(generated, previous_tokens.size()));
-    counts_.assign(n, 0);
+    // All zero between calls (each count set is cleared below), so a token costs its output's
+    // length, not the vocabulary's.
+    if (counts_.size() != n) counts_.assign(n, 0);
     for (const int32_t id : output)
       if (id >= 0 && static_cast<size_t>(id) < n) ++counts_[size_t(id)];
     for (const int32_t id : output) {

@@ -780,7 +780,7 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
     // then fills it, item by item in file order, each as soon as its bytes are in: the copy runs
     // behind the disk instead of after it. Allocating beside the read (part 28) took a 7B delta's
     // load from 0.87-0.91 s to 0.53-0.57 s against a disk read of 0.49-0.51 s; the copy after the
-    // read was most of what was left (NOTES.md, part 43).
+    // read is, by inference, most of what was left (NOTES.md, part 43; not yet measured).
     const auto file = delta.file().mapped_bytes();
     SequentialPager pager(file);
     std::vector<const Item*> order;
