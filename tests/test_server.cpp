@@ -80,6 +80,18 @@ std::vector<json> sse_events(const std::string& body, bool* done) {
   return out;
 }
 
+// The request streamed, with usage: its events, checked to end with [DONE].
+std::vector<json> streamed_events(httplib::Client& c, const std::string& path, json req) {
+  req["stream"] = true;
+  req["stream_options"] = {{"include_usage", true}};
+  const auto r = post(c, path, req);
+  EXPECT_EQ(r.status, 200) << r.raw;
+  bool done = false;
+  auto events = sse_events(r.raw, &done);
+  EXPECT_TRUE(done) << r.raw;
+  return events;
+}
+
 // The value of a metric line "name{labels} value" (labels exactly as written, "" for none).
 double metric(const std::string& page, const std::string& name, const std::string& labels = "") {
   const std::string key = labels.empty() ? name + " " : name + "{" + labels + "} ";
@@ -199,17 +211,20 @@ TEST(Protocol, ValidatesEveryFieldByName) {
       parse(R"({"model": "coder", "prompt": [1, 5, 9], "max_tokens": 7, "temperature": 0, "seed": 3,
                            "stop": ["a", "b"], "logprobs": 2, "echo": true})");
   EXPECT_EQ(r.engine.model, "coder");
-  EXPECT_EQ(r.engine.prompt, (std::vector<int32_t>{1, 5, 9}));
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.prompts[0].ids, (std::vector<int32_t>{1, 5, 9}));
+  EXPECT_EQ(r.sequence(0).prompt, (std::vector<int32_t>{1, 5, 9}));
+  EXPECT_EQ(r.sequence(0).sampling.seed, 3u);
   EXPECT_EQ(r.engine.stop.max_tokens, 7u);
   EXPECT_EQ(r.engine.top_logprobs, 2u);
   EXPECT_TRUE(r.engine.prompt_logprobs);
   EXPECT_EQ(r.engine.stop.stop_strings.size(), 2u);
-  EXPECT_EQ(parse(R"({"prompt": "the dog"})").engine.prompt, tok.encode("the dog", true));
+  EXPECT_EQ(parse(R"({"prompt": "the dog"})").prompts[0].ids, tok.encode("the dog", true));
   EXPECT_EQ(parse(R"({"prompt": "x"})").engine.model, "base");
   const auto c = parse(R"({"model": "m", "messages": [{"role": "user", "content": "hi"}]})",
                        server::Endpoint::kChat);
-  EXPECT_EQ(c.engine.prompt, tok.encode("<|user|>\nhi\n<|assistant|>\n", true));
-  EXPECT_EQ(c.engine.stop.max_tokens, 256 - c.engine.prompt.size());
+  EXPECT_EQ(c.prompts.at(0).ids, tok.encode("<|user|>\nhi\n<|assistant|>\n", true));
+  EXPECT_EQ(c.engine.stop.max_tokens, 256 - c.prompts[0].ids.size());
 
   EXPECT_NE(message_of("{not json").find("not valid JSON"), std::string::npos);
   EXPECT_NE(message_of("[1, 2]").find("JSON object"), std::string::npos);
@@ -226,7 +241,56 @@ TEST(Protocol, ValidatesEveryFieldByName) {
       std::string::npos);
   EXPECT_NE(message_of(R"({"prompt": "x", "max_tokens": 1000})").find("context is 256"),
             std::string::npos);
-  EXPECT_EQ(message_of(R"({"prompt": "x", "n": 2})"), "n must be 1 (one choice per request)");
+
+  // Lists of prompts, n and best_of: engine sequences prompt by prompt, best_of each, seeds
+  // counting up from the request's so that its choices differ and one seeded request repeats.
+  const auto many = parse(R"({"prompt": ["the dog", [1, 7], "fox"], "n": 2, "seed": 10,
+                              "echo": true})");
+  ASSERT_EQ(many.prompts.size(), 3u);
+  EXPECT_EQ(many.prompts[1].ids, (std::vector<int32_t>{1, 7}));
+  EXPECT_EQ(many.prompts[0].echo_text, "the dog");
+  EXPECT_EQ(many.prompts[1].echo_text, tok.decode(std::vector<int32_t>{1, 7}));
+  EXPECT_EQ(many.n, 2u);
+  EXPECT_EQ(many.best_of, 2u);
+  ASSERT_EQ(many.sequences(), 6u);
+  for (size_t s = 0; s < 6; ++s) {
+    EXPECT_EQ(many.sequence(s).prompt, many.prompts[s / 2].ids) << s;
+    EXPECT_EQ(many.sequence(s).sampling.seed, 10u + s % 2) << s;
+  }
+  const auto best = parse(R"({"prompt": "x", "n": 2, "best_of": 5, "seed": -1})");
+  EXPECT_EQ(best.sequences(), 5u);
+  EXPECT_EQ(best.sequence(1).sampling.seed, 0u);  // -1 + 1 wraps
+  EXPECT_EQ(parse(R"({"prompt": [[1, 2]]})").prompts.at(0).ids, (std::vector<int32_t>{1, 2}));
+  // max_tokens must fit the longest prompt of a list; the default is cut to it.
+  EXPECT_EQ(parse(json{{"prompt", {std::vector<int>(250, 7), "x"}}}.dump()).engine.stop.max_tokens,
+            6u);
+  EXPECT_EQ(message_of(json{{"prompt", {"x", std::vector<int>(250, 7)}}, {"max_tokens", 7}}.dump()),
+            "max_tokens is 7, but the prompt has 250 tokens and the model's context is 256 tokens");
+  EXPECT_EQ(message_of(json{{"prompt", {"x", std::vector<int>(256, 7)}}}.dump()),
+            "prompt[1] has 256 tokens, but the model's context is 256 tokens "
+            "(max_position_embeddings)");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "n": 0})"), "n must be an integer between 1 and 128");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "n": 129})"), "n must be an integer between 1 and 128");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "n": 1.5})"), "n must be an integer between 1 and 128");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "n": 3, "best_of": 2})"),
+            "best_of must be >= n (best_of is 2, n is 3)");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "best_of": 2, "stream": true})"),
+            "best_of > n cannot be streamed (the best choices are known only at the end)");
+  EXPECT_EQ(message_of(R"({"prompt": "x", "n": 2, "best_of": 2, "stream": true})"), "(accepted)");
+  EXPECT_EQ(message_of(R"({"prompt": ["a", "b", "c"], "n": 100})"),
+            "this request asks for 300 sequences (3 prompt(s), n 100 each), but the server "
+            "queues at most 256 (--max-queue)");
+  EXPECT_EQ(message_of(R"({"prompt": ["a", "b", "c"], "best_of": 100})"),
+            "this request asks for 300 sequences (3 prompt(s), best_of 100 each), but the server "
+            "queues at most 256 (--max-queue)");
+  EXPECT_EQ(message_of(R"({"prompt": ["a", 5]})"),
+            "prompt[1] must be a string or a list of token ids (prompt is a list of prompts)");
+  EXPECT_EQ(message_of(R"({"prompt": ["a", []]})"), "prompt[1] must not be empty");
+  EXPECT_EQ(message_of(R"({"prompt": [[1, "b"]]})"),
+            "prompt[0][1] must be a token id (an integer)");
+  EXPECT_EQ(message_of(R"({"messages": [{"role": "user", "content": "x"}], "n": 2})",
+                       server::Endpoint::kChat),
+            "(accepted)");
   const auto penalized = parse(
       R"({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1.25, "logit_bias": {"7": -100, "12": 3.5}})");
   EXPECT_EQ(penalized.engine.sampling.presence_penalty, 0.5f);
@@ -255,9 +319,9 @@ TEST(Protocol, ValidatesEveryFieldByName) {
   EXPECT_EQ(message_of(R"({"prompt": [1, -1]})"),
             "prompt[1] (a token id) must be an integer between 0 and 299");
   EXPECT_EQ(message_of(R"({"prompt": []})"), "prompt must not be empty");
-  EXPECT_EQ(message_of(R"({"prompt": ["a", "b"]})"),
-            "prompt: a list of prompts is not supported; send one prompt per request");
-  EXPECT_EQ(message_of(R"({"prompt": 5})"), "prompt must be a string or a list of token ids");
+  EXPECT_EQ(message_of(R"({"prompt": 5})"),
+            "prompt must be a string, a list of token ids, or a list of those");
+  EXPECT_EQ(message_of(R"({"prompt": [true]})"), "prompt must be a string or a list of token ids");
   EXPECT_EQ(message_of(R"({"model": 5, "prompt": "x"})"),
             "model must be a string (GET /v1/models lists them)");
   EXPECT_EQ(message_of(R"({"prompt": "x", "stream": "yes"})"), "stream must be a boolean");
@@ -286,7 +350,8 @@ TEST(Protocol, ValidatesEveryFieldByName) {
       parse(
           R"({"messages": [{"role": "developer", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})",
           chat)
-          .engine.prompt,
+          .prompts.at(0)
+          .ids,
       tok.encode("<|system|>\nS\n<|user|>\nab\n<|assistant|>\n", true));
   EXPECT_EQ(
       message_of(R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", chat),
@@ -294,6 +359,39 @@ TEST(Protocol, ValidatesEveryFieldByName) {
   EXPECT_EQ(
       message_of(R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3})", chat),
       "top_logprobs requires logprobs: true");
+}
+
+// best_of: each prompt's n choices are its sequences with the highest mean token logprob (the
+// OpenAI API's "highest log probability per token"), best first; equal means keep their order.
+TEST(Protocol, BestOfKeepsTheHighestMeanLogprobs) {
+  const Tokenizer tok(family().base);
+  const ChatTemplate role_markers(ChatFamily::kRoleMarkers);
+  const server::ModelInfo info{&tok, "base", 256, &role_markers};
+  const auto r = server::parse_generation(
+      server::parse_body(R"({"prompt": ["a", "b"], "n": 2, "best_of": 3, "logprobs": 0})"),
+      server::Endpoint::kCompletions, info);
+  ASSERT_EQ(r.sequences(), 6u);
+  server::ResponseBuilder b(r, tok, "cmpl-x", 0);
+  // Sequence -> its tokens' logprobs. Prompt 0: means -1, -1.5, -0.5 (sums -4, -1.5, -0.5: a
+  // sum would rank sequence 1 second). Prompt 1: means -2, -0.1, -0.1.
+  const std::vector<std::vector<float>> logprobs = {{-1, -1, -1, -1}, {-1.5f},       {-0.5f}, {-2},
+                                                    {-0.1f},          {-0.1f, -0.1f}};
+  for (size_t s = 0; s < logprobs.size(); ++s)
+    for (float lp : logprobs[s])
+      EXPECT_TRUE(b.add_token(s, {5, lp, {}}, "s" + std::to_string(s)).is_null());  // not streamed
+  std::vector<FinishReason> reasons(6, FinishReason::kLength);
+  reasons[2] = FinishReason::kStop;
+  const json out = b.finish(reasons, Usage{2, 9});
+  ASSERT_EQ(out["choices"].size(), 4u);
+  const std::vector<std::string> texts = {"s2", "s0s0s0s0", "s4", "s5s5"};
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(out["choices"][i]["index"], i);
+    EXPECT_EQ(out["choices"][i]["text"], texts[i]) << i;
+  }
+  EXPECT_EQ(out["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(out["choices"][1]["finish_reason"], "length");
+  EXPECT_EQ(out["choices"][1]["logprobs"]["token_logprobs"], json({-1, -1, -1, -1}));
+  EXPECT_EQ(out["usage"]["total_tokens"], 11);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -330,14 +428,7 @@ TEST_F(ServerTest, CompletionsAndChatWholeAndStreamed) {
   const std::string text = whole.body["choices"][0]["text"];
 
   // The same request streamed gives the same text, chunk by chunk, then usage, then [DONE].
-  json sreq = req;
-  sreq["stream"] = true;
-  sreq["stream_options"] = {{"include_usage", true}};
-  const auto streamed = post(c, "/v1/completions", sreq);
-  ASSERT_EQ(streamed.status, 200) << streamed.raw;
-  bool done = false;
-  const auto events = sse_events(streamed.raw, &done);
-  EXPECT_TRUE(done);
+  const auto events = streamed_events(c, "/v1/completions", req);
   std::string joined;
   std::string finish;
   for (const auto& e : events) {
@@ -368,6 +459,7 @@ TEST_F(ServerTest, CompletionsAndChatWholeAndStreamed) {
   screq["stream"] = true;
   const auto schat = post(c, "/v1/chat/completions", screq);
   ASSERT_EQ(schat.status, 200);
+  bool done = false;
   const auto cevents = sse_events(schat.raw, &done);
   EXPECT_TRUE(done);
   ASSERT_GE(cevents.size(), 2u);
@@ -400,6 +492,121 @@ TEST_F(ServerTest, CompletionsAndChatWholeAndStreamed) {
             post(c, "/v1/completions", seeded).body["choices"][0]["text"]);
   EXPECT_NE(server->log().find("[serve] /v1/completions model=coder status=200"),
             std::string::npos);
+}
+
+// n choices, lists of prompts and best_of: choice k of prompt p is the completion a request of that
+// prompt alone gives with seed + k (sequences of one step give the tokens of each alone), whole and
+// streamed; best_of returns the single with the highest mean token logprob.
+TEST_F(ServerTest, ChoicesAndPromptListsAreTheirSingleRequests) {
+  auto server = start();
+  auto c = server->client();
+  const Tokenizer tok(family().base);
+  const json one = {{"model", "coder"},   {"prompt", "the quick brown fox"},
+                    {"max_tokens", 10},   {"temperature", 0.9},
+                    {"top_k", 20},        {"seed", 5},
+                    {"ignore_eos", true}, {"logprobs", 0}};
+  const auto single = [&](const std::string& prompt, int seed) {
+    json r = one;
+    r["prompt"] = prompt;
+    r["seed"] = seed;
+    const auto reply = post(c, "/v1/completions", r);
+    EXPECT_EQ(reply.status, 200) << reply.raw;
+    return reply.body["choices"][0];
+  };
+  std::vector<json> fox, dog;
+  for (int k = 0; k < 3; ++k) fox.push_back(single("the quick brown fox", 5 + k));
+  for (int k = 0; k < 2; ++k) dog.push_back(single("lazy dog", 5 + k));
+  EXPECT_NE(fox[0]["text"], fox[1]["text"]);  // the seeds differ, and so do the texts
+
+  json req = one;
+  req["n"] = 3;
+  const auto whole = post(c, "/v1/completions", req);
+  ASSERT_EQ(whole.status, 200) << whole.raw;
+  ASSERT_EQ(whole.body["choices"].size(), 3u);
+  for (size_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(whole.body["choices"][k]["index"], k);
+    EXPECT_EQ(whole.body["choices"][k]["text"], fox[k]["text"]) << k;
+    EXPECT_EQ(whole.body["choices"][k]["finish_reason"], "length");
+  }
+  const size_t fox_tokens = tok.encode("the quick brown fox", true).size();
+  const size_t dog_tokens = tok.encode("lazy dog", true).size();
+  EXPECT_EQ(whole.body["usage"]["prompt_tokens"], fox_tokens);  // once, not once per choice
+  EXPECT_EQ(whole.body["usage"]["completion_tokens"], 30);
+
+  // Streamed: each index's chunks join to its text, each ends once, usage covers all, then [DONE].
+  const auto events = streamed_events(c, "/v1/completions", req);
+  std::vector<std::string> joined(3);
+  std::vector<int> finishes(3);
+  for (const auto& e : events) {
+    if (e["choices"].empty()) continue;
+    ASSERT_EQ(e["choices"].size(), 1u);
+    const size_t k = e["choices"][0]["index"];
+    ASSERT_LT(k, 3u);
+    EXPECT_EQ(finishes[k], 0) << "a chunk of choice " << k << " after its end";
+    joined[k] += e["choices"][0]["text"].get<std::string>();
+    if (!e["choices"][0]["finish_reason"].is_null()) ++finishes[k];
+  }
+  for (size_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(joined[k], fox[k]["text"]) << k;
+    EXPECT_EQ(finishes[k], 1) << k;
+  }
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back()["usage"]["completion_tokens"], 30);
+
+  // A list of prompts: prompt p's choices at indices p·n ...; prompt tokens summed over prompts.
+  json list = one;
+  list["prompt"] = {"the quick brown fox", "lazy dog"};
+  list["n"] = 2;
+  list["echo"] = true;
+  const auto both = post(c, "/v1/completions", list);
+  ASSERT_EQ(both.status, 200) << both.raw;
+  ASSERT_EQ(both.body["choices"].size(), 4u);
+  EXPECT_EQ(both.body["choices"][1]["text"],
+            "the quick brown fox" + fox[1]["text"].get<std::string>());
+  EXPECT_EQ(both.body["choices"][2]["text"], "lazy dog" + dog[0]["text"].get<std::string>());
+  EXPECT_EQ(both.body["choices"][3]["text"], "lazy dog" + dog[1]["text"].get<std::string>());
+  EXPECT_EQ(both.body["usage"]["prompt_tokens"], fox_tokens + dog_tokens);
+  EXPECT_EQ(both.body["usage"]["completion_tokens"], 40);
+
+  // best_of 3: the one of the three singles whose tokens have the highest mean logprob.
+  size_t best = 0;
+  std::vector<double> mean(3);
+  for (size_t k = 0; k < 3; ++k) {
+    for (const auto& lp : fox[k]["logprobs"]["token_logprobs"]) mean[k] += lp.get<double>() / 10;
+    if (mean[k] > mean[best]) best = k;
+  }
+  json bo = one;
+  bo["best_of"] = 3;
+  const auto chosen = post(c, "/v1/completions", bo);
+  ASSERT_EQ(chosen.status, 200) << chosen.raw;
+  ASSERT_EQ(chosen.body["choices"].size(), 1u);
+  EXPECT_EQ(chosen.body["choices"][0]["text"], fox[best]["text"])
+      << mean[0] << " " << mean[1] << " " << mean[2];
+  EXPECT_EQ(chosen.body["usage"]["completion_tokens"], 30);  // all three were generated
+
+  // Chat, n = 2 streamed: each index opens with the assistant role; contents match the whole.
+  const json chat = {{"model", "math"},   {"messages", {{{"role", "user"}, {"content", "12+7="}}}},
+                     {"max_tokens", 6},   {"temperature", 0.9},
+                     {"seed", 11},        {"n", 2},
+                     {"ignore_eos", true}};
+  const auto cwhole = post(c, "/v1/chat/completions", chat);
+  ASSERT_EQ(cwhole.status, 200) << cwhole.raw;
+  ASSERT_EQ(cwhole.body["choices"].size(), 2u);
+  std::vector<std::string> content(2);
+  std::vector<int> chunks(2);
+  for (const auto& e : streamed_events(c, "/v1/chat/completions", chat)) {
+    if (e["choices"].empty()) {  // the usage chunk
+      EXPECT_EQ(e["usage"]["completion_tokens"], 12);
+      continue;
+    }
+    const size_t k = e["choices"][0]["index"];
+    ASSERT_LT(k, 2u);
+    if (chunks[k]++ == 0) EXPECT_EQ(e["choices"][0]["delta"]["role"], "assistant") << k;
+    if (e["choices"][0]["delta"].contains("content"))
+      content[k] += e["choices"][0]["delta"]["content"].get<std::string>();
+  }
+  for (size_t k = 0; k < 2; ++k)
+    EXPECT_EQ(content[k], cwhole.body["choices"][k]["message"]["content"]) << k;
 }
 
 TEST_F(ServerTest, TokenIdPromptLogprobsMatchScore) {
@@ -535,7 +742,8 @@ TEST_F(ServerTest, ErrorsInOpenAIShape) {
       400, "temperature must be >= 0");
   expect_error(post(c, "/v1/completions", json{{"prompt", "x"}, {"max_tokens", -1}}), 400,
                "max_tokens");
-  expect_error(post(c, "/v1/completions", json{{"prompt", "x"}, {"n", 3}}), 400, "n must be 1");
+  expect_error(post(c, "/v1/completions", json{{"prompt", "x"}, {"n", 300}}), 400,
+               "n must be an integer between 1 and 128");
   expect_error(post(c, "/v1/completions", std::string("{\"prompt\": \"bad \xc3\x28 utf8\"}")), 400,
                "not valid JSON");
   expect_error(post(c, "/v1/completions", json{{"prompt", std::vector<int>(400, 7)}}), 400,
@@ -659,6 +867,13 @@ TEST_F(ServerTest, FullQueueAnswers429) {
     EXPECT_GE(ok, 1);
   }
   EXPECT_GE(full, 1);
+  // More sequences than the queue can ever hold is a bad request, not a full queue.
+  auto c = server->client();
+  const auto many = post(c, "/v1/completions", json{{"prompt", "the"}, {"n", 2}});
+  EXPECT_EQ(many.status, 400) << many.raw;
+  EXPECT_EQ(many.body["error"]["message"],
+            "this request asks for 2 sequences (1 prompt(s), n 2 each), but the server queues at "
+            "most 1 (--max-queue)");
 }
 
 TEST_F(ServerTest, BudgetOfTwoDeltasEvictsButKeepsPinned) {
@@ -763,38 +978,49 @@ size_t count_of(const std::string& text, const std::string& what) {
 TEST_F(ServerTest, ClientDisconnectMidStreamFreesItsSlot) {
   auto server = start();
   auto c = server->client();
-  const json body = {{"model", "coder"}, {"prompt", "the"},    {"max_tokens", 250},
-                     {"temperature", 0}, {"ignore_eos", true}, {"stream", true}};
-  // The tiny model writes all 250 tokens in about 20 ms; a client descheduled that long after the
-  // first event hangs up on a stream that has already ended, which tests nothing. Such an attempt
-  // is recognized in the log (the request finished with all its tokens) and made again.
-  const std::string cancelled = "cancelled: client disconnected";
-  const std::string finished = "completion_tokens=250 ";
-  bool seen = false;
-  for (int attempt = 0; attempt < 5 && !seen; ++attempt) {
-    const std::string before = server->log();
-    const size_t cancelled_before = count_of(before, cancelled), finished_before = count_of(before, finished);
-    stream_and_hang_up(server->port(), body.dump());
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    double running = -1;
-    std::string log;
-    while (std::chrono::steady_clock::now() < deadline) {
-      running = metric(metrics(c), "bitdelta_running_sequences");
-      log = server->log();
-      if (running == 0 &&
-          (count_of(log, cancelled) > cancelled_before || count_of(log, finished) > finished_before))
-        break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  // One sequence, then four (n = 4): hanging up must stop every one of them.
+  for (const int n : {1, 4}) {
+    SCOPED_TRACE("n = " + std::to_string(n));
+    const json body = {{"model", "coder"},
+                       {"prompt", "the"},
+                       {"max_tokens", 250},
+                       {"temperature", 0},
+                       {"ignore_eos", true},
+                       {"stream", true},
+                       {"n", n}};
+    // The tiny model writes all 250 tokens in about 20 ms; a client descheduled that long after
+    // the first event hangs up on a stream that has already ended, which tests nothing. Such an
+    // attempt is recognized in the log (the request finished with all its tokens) and made again.
+    const std::string cancelled = "cancelled: client disconnected";
+    const std::string finished = "completion_tokens=" + std::to_string(250 * n) + " ";
+    bool seen = false;
+    for (int attempt = 0; attempt < 5 && !seen; ++attempt) {
+      const std::string before = server->log();
+      const size_t cancelled_before = count_of(before, cancelled),
+                   finished_before = count_of(before, finished);
+      stream_and_hang_up(server->port(), body.dump());
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      double running = -1;
+      std::string log;
+      while (std::chrono::steady_clock::now() < deadline) {
+        running = metric(metrics(c), "bitdelta_running_sequences");
+        log = server->log();
+        if (running == 0 && (count_of(log, cancelled) > cancelled_before ||
+                             count_of(log, finished) > finished_before))
+          break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      EXPECT_EQ(running, 0) << log;
+      EXPECT_EQ(metric(metrics(c), "bitdelta_queue_length"), 0) << log;
+      seen = count_of(log, cancelled) > cancelled_before;
+      if (!seen) {
+        ASSERT_GT(count_of(log, finished), finished_before)
+            << "the request neither finished nor was cancelled:\n"
+            << log;
+      }
     }
-    EXPECT_EQ(running, 0) << log;
-    seen = count_of(log, cancelled) > cancelled_before;
-    if (!seen) {
-      ASSERT_GT(count_of(log, finished), finished_before)
-          << "the request neither finished nor was cancelled:\n"
-          << log;
-    }
+    EXPECT_TRUE(seen) << "five streams all ended before their client hung up:\n" << server->log();
   }
-  EXPECT_TRUE(seen) << "five streams all ended before their client hung up:\n" << server->log();
   EXPECT_EQ(post(c, "/v1/completions", json{{"model", "coder"}, {"prompt", "x"}, {"max_tokens", 2}})
                 .status,
             200);
@@ -821,7 +1047,7 @@ TEST_F(ServerTest, ThousandMalformedRequestsLeaveItServing) {
       std::string("{\"prompt\": \"\xff\"}"),
       std::string(1, '\0'),
       "{\"prompt\": \"x\", \"logprobs\": -1}",
-      "{\"prompt\": [[1, 2], [3]]}",
+      "{\"prompt\": [[1, 2], [3, \"x\"]]}",
       "{\"prompt\": \"x\", \"top_k\": -7}",
       "{\"prompt\": \"x\", \"seed\": \"s\"}"};
   int failed = 0;

@@ -1,5 +1,6 @@
 #include "server/protocol.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -11,6 +12,10 @@ namespace {
 
 constexpr int64_t kMaxLogprobs = 20;
 constexpr size_t kMaxStops = 16;
+
+const char* finish_reason_name(FinishReason reason) {
+  return reason == FinishReason::kLength ? "length" : "stop";
+}
 
 [[noreturn]] void bad(const std::string& message) {
   throw ApiError(400, message);
@@ -104,33 +109,42 @@ std::string message_content(const json& m, size_t i) {
   return text;
 }
 
+// One prompt: text, or token ids. `field` names it in errors ("prompt", "prompt[2]").
+Prompt one_prompt(const Tokenizer& tok, const json& p, const std::string& field) {
+  Prompt out;
+  if (p.is_string()) {
+    out.echo_text = p.get<std::string>();
+    out.ids = encode_text(tok, out.echo_text);
+  } else if (p.is_array() && !p.empty() && p[0].is_number()) {
+    out.ids = token_ids(tok, p, field);
+    out.echo_text = tok.decode(out.ids);
+  } else if (p.is_array() && p.empty()) {
+    bad(field + " must not be empty");
+  } else {
+    bad(field + " must be a string or a list of token ids");
+  }
+  if (out.ids.empty()) bad(field + " must not be empty (this tokenizer has no BOS)");
+  return out;
+}
+
+// A prompt is a string or a list of token ids; a list of those is a list of prompts.
 void parse_prompt(const json& body, const ModelInfo& model, ParsedRequest& r) {
   const Tokenizer& tok = *model.tokenizer;
   if (!present(body, "prompt")) bad("prompt is required");
   const json& p = body["prompt"];
-  if (p.is_string()) {
-    r.echo_text = p.get<std::string>();
-    r.engine.prompt = encode_text(tok, r.echo_text);
-  } else if (p.is_array()) {
-    if (p.empty()) bad("prompt must not be empty");
-    if (p[0].is_number()) {
-      r.engine.prompt = token_ids(tok, p, "prompt");
-    } else if (p.size() == 1 && p[0].is_string()) {
-      r.echo_text = p[0].get<std::string>();
-      r.engine.prompt = encode_text(tok, r.echo_text);
-    } else if (p.size() == 1 && p[0].is_array()) {
-      if (p[0].empty()) bad("prompt[0] must not be empty");
-      r.engine.prompt = token_ids(tok, p[0], "prompt[0]");
-    } else if (p.size() > 1 && (p[0].is_string() || p[0].is_array())) {
-      bad("prompt: a list of prompts is not supported; send one prompt per request");
-    } else {
-      bad("prompt must be a string, a list of token ids, or a list with one of those");
+  if (p.is_array() && !p.empty() && (p[0].is_string() || p[0].is_array())) {
+    for (size_t i = 0; i < p.size(); ++i) {
+      if (!p[i].is_string() && !p[i].is_array())
+        bad(str("prompt[", i,
+                "] must be a string or a list of token ids (prompt is a list of "
+                "prompts)"));
+      r.prompts.push_back(one_prompt(tok, p[i], str("prompt[", i, "]")));
     }
-    if (r.echo_text.empty() && !r.engine.prompt.empty()) r.echo_text = tok.decode(r.engine.prompt);
+  } else if (p.is_string() || p.is_array()) {
+    r.prompts.push_back(one_prompt(tok, p, "prompt"));
   } else {
-    bad("prompt must be a string or a list of token ids");
+    bad("prompt must be a string, a list of token ids, or a list of those");
   }
-  if (r.engine.prompt.empty()) bad("prompt must not be empty (this tokenizer has no BOS)");
 }
 
 void parse_messages(const json& body, const ModelInfo& model, ParsedRequest& r) {
@@ -155,7 +169,7 @@ void parse_messages(const json& body, const ModelInfo& model, ParsedRequest& r) 
     bad(e.what());
   }
   const Tokenizer& tok = *model.tokenizer;
-  auto& ids = r.engine.prompt;
+  auto& ids = r.prompts.emplace_back().ids;
   for (size_t i = 0; i < segments.size(); ++i) {
     if ((i == 0 || segments[i].bos_before) && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
     const auto piece = tok.encode(segments[i].text, false);
@@ -294,13 +308,28 @@ ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelI
     parse_messages(body, model, r);
   else
     parse_prompt(body, model, r);
-  if (r.engine.prompt.size() >= model.context)
-    bad(str("prompt has ", r.engine.prompt.size(), " tokens, but the model's context is ",
-            model.context, " tokens (max_position_embeddings)"));
+  size_t longest = 0;
+  for (size_t i = 0; i < r.prompts.size(); ++i) {
+    const size_t len = r.prompts[i].ids.size();
+    if (len >= model.context)
+      bad(str(r.prompts.size() > 1 ? str("prompt[", i, "]") : std::string("prompt"), " has ", len,
+              " tokens, but the model's context is ", model.context,
+              " tokens (max_position_embeddings)"));
+    longest = std::max(longest, len);
+  }
 
-  for (const char* f : {"n", "best_of"})
-    if (present(body, f) && get_int(body[f], f, 1, INT64_MAX) != 1)
-      bad(str(f, " must be 1 (one choice per request)"));
+  // n choices per prompt, chosen from best_of sequences (the OpenAI API allows up to 128).
+  if (present(body, "n")) r.n = size_t(get_int(body["n"], "n", 1, 128));
+  r.best_of = r.n;
+  if (present(body, "best_of")) {
+    r.best_of = size_t(get_int(body["best_of"], "best_of", 1, 128));
+    if (r.best_of < r.n)
+      bad(str("best_of must be >= n (best_of is ", r.best_of, ", n is ", r.n, ")"));
+  }
+  if (r.sequences() > model.max_sequences)
+    bad(str("this request asks for ", r.sequences(), " sequences (", r.prompts.size(),
+            " prompt(s), ", r.best_of > r.n ? "best_of " : "n ", r.best_of,
+            " each), but the server queues at most ", model.max_sequences, " (--max-queue)"));
   for (const char* f : {"tools", "functions"})
     if (present(body, f) && !(body[f].is_array() && body[f].empty()))
       bad(str(f, " are not supported"));
@@ -315,13 +344,14 @@ ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelI
 
   // max_tokens: explicit values must fit the context; the default fills what is left (chat) or is
   // 16 (completions, as in the OpenAI API), cut to what fits.
-  const size_t room = model.context - r.engine.prompt.size();
+  // A list of prompts: what fits the longest.
+  const size_t room = model.context - longest;
   const char* max_field =
       chat && present(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   if (present(body, max_field)) {
     const auto m = size_t(get_int(body[max_field], max_field, 1, INT64_MAX));
     if (m > room)
-      bad(str(max_field, " is ", m, ", but the prompt has ", r.engine.prompt.size(),
+      bad(str(max_field, " is ", m, ", but the prompt has ", longest,
               " tokens and the model's context is ", model.context, " tokens"));
     r.engine.stop.max_tokens = m;
   } else {
@@ -353,9 +383,12 @@ ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelI
     r.echo = get_bool(body, "echo", false);
     r.engine.prompt_logprobs = r.echo && r.logprobs;
   }
-  if (!r.echo) r.echo_text.clear();
+  if (!r.echo)
+    for (auto& p : r.prompts) p.echo_text.clear();
 
   r.stream = get_bool(body, "stream", false);
+  if (r.stream && r.best_of > r.n)
+    bad("best_of > n cannot be streamed (the best choices are known only at the end)");
   if (present(body, "stream_options")) {
     const json& so = body["stream_options"];
     if (!so.is_object()) bad("stream_options must be an object");
@@ -389,12 +422,23 @@ std::string token_text(const Tokenizer& tokenizer, int32_t id) {
   return out;
 }
 
+GenerationRequest ParsedRequest::sequence(size_t s) const {
+  GenerationRequest g = engine;
+  g.prompt = prompts.at(s / best_of).ids;
+  g.sampling.seed = engine.sampling.seed + s % best_of;  // wraps: any seed is valid
+  return g;
+}
+
 ResponseBuilder::ResponseBuilder(const ParsedRequest& request, const Tokenizer& tokenizer,
                                  std::string id, int64_t created)
-    : request_(request), tokenizer_(tokenizer), id_(std::move(id)), created_(created) {}
+    : request_(request),
+      tokenizer_(tokenizer),
+      id_(std::move(id)),
+      created_(created),
+      seqs_(request.sequences()) {}
 
-void ResponseBuilder::set_prompt_logprobs(const std::vector<float>& logprobs) {
-  prompt_logprobs_ = logprobs;
+void ResponseBuilder::set_prompt_logprobs(size_t seq, const std::vector<float>& logprobs) {
+  seqs_.at(seq).prompt_logprobs = logprobs;
 }
 
 json ResponseBuilder::chunk(json choice) const {
@@ -430,27 +474,30 @@ json ResponseBuilder::chat_logprob(const TokenLogprob& t) const {
 
 // The legacy completions shape; with echo, the prompt's tokens come first (their first logprob is
 // null: nothing predicts the first token).
-json ResponseBuilder::legacy_logprobs(size_t from, size_t text_offset, bool with_prompt) const {
+json ResponseBuilder::legacy_logprobs(size_t seq, size_t from, size_t text_offset,
+                                      bool with_prompt) const {
+  const Sequence& q = seqs_[seq];
   json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
   if (with_prompt) {
-    const auto& prompt = request_.engine.prompt;
+    const Prompt& prompt = prompt_of(seq);
     size_t offset = 0;
-    for (size_t i = 0; i < prompt.size(); ++i) {
-      const std::string text = token_text(tokenizer_, prompt[i]);
+    for (size_t i = 0; i < prompt.ids.size(); ++i) {
+      const int32_t id = prompt.ids[i];
+      const std::string text = token_text(tokenizer_, id);
       tokens.push_back(text);
-      offsets.push_back(std::min(offset, request_.echo_text.size()));
-      if (!tokenizer_.is_control(prompt[i])) offset += text.size();
-      if (i == 0 || i - 1 >= prompt_logprobs_.size()) {
+      offsets.push_back(std::min(offset, prompt.echo_text.size()));
+      if (!tokenizer_.is_control(id)) offset += text.size();
+      if (i == 0 || i - 1 >= q.prompt_logprobs.size()) {
         lps.push_back(nullptr);
         tops.push_back(nullptr);
       } else {
-        lps.push_back(prompt_logprobs_[i - 1]);
-        tops.push_back(json{{text, prompt_logprobs_[i - 1]}});
+        lps.push_back(q.prompt_logprobs[i - 1]);
+        tops.push_back(json{{text, q.prompt_logprobs[i - 1]}});
       }
     }
   }
-  for (size_t i = from; i < tokens_.size(); ++i) {
-    const auto& t = tokens_[i];
+  for (size_t i = from; i < q.tokens.size(); ++i) {
+    const auto& t = q.tokens[i];
     tokens.push_back(token_text(tokenizer_, t.token));
     lps.push_back(t.logprob);
     json top = json::object();
@@ -459,7 +506,7 @@ json ResponseBuilder::legacy_logprobs(size_t from, size_t text_offset, bool with
       if (!top.contains(text)) top[text] = lp;  // most likely first; equal texts keep the first
     }
     tops.push_back(std::move(top));
-    offsets.push_back(text_offset + offsets_[i]);
+    offsets.push_back(text_offset + q.offsets[i]);
   }
   return {{"tokens", tokens},
           {"token_logprobs", lps},
@@ -467,43 +514,42 @@ json ResponseBuilder::legacy_logprobs(size_t from, size_t text_offset, bool with
           {"text_offset", offsets}};
 }
 
-json ResponseBuilder::add_token(const TokenLogprob& token, const std::string& text) {
+json ResponseBuilder::add_token(size_t seq, const TokenLogprob& token, const std::string& text) {
+  Sequence& q = seqs_.at(seq);
   // The engine flushes text held back at the end (an unfinished character, a partial stop-string
   // match) with token id -1: text without a token of its own.
   if (token.token >= 0) {
-    offsets_.push_back(text_.size());
-    tokens_.push_back(token);
+    q.offsets.push_back(q.text.size());
+    q.tokens.push_back(token);
   }
-  text_ += text;
+  q.text += text;
   if (!request_.stream) return nullptr;
   if (text.empty() && (!request_.logprobs || token.token < 0)) return nullptr;
-  const size_t from = streamed_tokens_;
-  streamed_tokens_ = tokens_.size();
-  const std::string piece = text_.substr(streamed_text_);
-  streamed_text_ = text_.size();
+  const size_t from = q.streamed_tokens;
+  q.streamed_tokens = q.tokens.size();
+  const std::string piece = q.text.substr(q.streamed_text);
+  q.streamed_text = q.text.size();
   if (request_.endpoint == Endpoint::kChat) {
     json lp = nullptr;
     if (request_.logprobs) {
       lp = json{{"content", json::array()}};
-      for (size_t i = from; i < tokens_.size(); ++i)
-        lp["content"].push_back(chat_logprob(tokens_[i]));
+      for (size_t i = from; i < q.tokens.size(); ++i)
+        lp["content"].push_back(chat_logprob(q.tokens[i]));
     }
-    return chunk({{"index", 0},
+    return chunk({{"index", seq},
                   {"delta", {{"content", piece}}},
                   {"logprobs", lp},
                   {"finish_reason", nullptr}});
   }
-  const size_t base = request_.echo ? request_.echo_text.size() : 0;
+  const size_t base = prompt_of(seq).echo_text.size();  // empty without echo
   json lp = nullptr;
-  if (request_.logprobs) {
-    lp = legacy_logprobs(from, base, false);
-  }
-  return chunk({{"index", 0}, {"text", piece}, {"logprobs", lp}, {"finish_reason", nullptr}});
+  if (request_.logprobs) lp = legacy_logprobs(seq, from, base, false);
+  return chunk({{"index", seq}, {"text", piece}, {"logprobs", lp}, {"finish_reason", nullptr}});
 }
 
-std::optional<json> ResponseBuilder::first_chunk() {
+std::optional<json> ResponseBuilder::first_chunk(size_t seq) {
   if (request_.endpoint == Endpoint::kChat)
-    return chunk({{"index", 0},
+    return chunk({{"index", seq},
                   {"delta", {{"role", "assistant"}, {"content", ""}}},
                   {"logprobs", nullptr},
                   {"finish_reason", nullptr}});
@@ -511,19 +557,25 @@ std::optional<json> ResponseBuilder::first_chunk() {
   json lp = nullptr;
   if (request_.logprobs) {
     // Only the prompt part: generated tokens have not arrived yet.
-    lp = legacy_logprobs(0, 0, true);
+    lp = legacy_logprobs(seq, 0, 0, true);
   }
-  return chunk(
-      {{"index", 0}, {"text", request_.echo_text}, {"logprobs", lp}, {"finish_reason", nullptr}});
+  return chunk({{"index", seq},
+                {"text", prompt_of(seq).echo_text},
+                {"logprobs", lp},
+                {"finish_reason", nullptr}});
 }
 
-json ResponseBuilder::final_chunk(FinishReason reason) {
-  const char* why = reason == FinishReason::kLength ? "length" : "stop";
+json ResponseBuilder::final_chunk(size_t seq, FinishReason reason) {
   // Text held back by the engine until the end arrives with on_token; nothing is left to send here.
   if (request_.endpoint == Endpoint::kChat)
-    return chunk(
-        {{"index", 0}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", why}});
-  return chunk({{"index", 0}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", why}});
+    return chunk({{"index", seq},
+                  {"delta", json::object()},
+                  {"logprobs", nullptr},
+                  {"finish_reason", finish_reason_name(reason)}});
+  return chunk({{"index", seq},
+                {"text", ""},
+                {"logprobs", nullptr},
+                {"finish_reason", finish_reason_name(reason)}});
 }
 
 json ResponseBuilder::usage_chunk(const Usage& usage) {
@@ -536,34 +588,54 @@ json ResponseBuilder::usage_chunk(const Usage& usage) {
           {"usage", usage_json(usage)}};
 }
 
-json ResponseBuilder::finish(FinishReason reason, const Usage& usage) {
-  const char* why = reason == FinishReason::kLength ? "length" : "stop";
-  json choice;
+json ResponseBuilder::choice(size_t seq, size_t index, FinishReason reason) const {
+  const Sequence& q = seqs_[seq];
   if (request_.endpoint == Endpoint::kChat) {
     json lp = nullptr;
     if (request_.logprobs) {
       lp = json{{"content", json::array()}};
-      for (const auto& t : tokens_) lp["content"].push_back(chat_logprob(t));
+      for (const auto& t : q.tokens) lp["content"].push_back(chat_logprob(t));
     }
-    choice = {{"index", 0},
-              {"message", {{"role", "assistant"}, {"content", text_}}},
-              {"logprobs", lp},
-              {"finish_reason", why}};
-  } else {
-    json lp = nullptr;
-    if (request_.logprobs)
-      lp = legacy_logprobs(0, request_.echo ? request_.echo_text.size() : 0, request_.echo);
-    choice = {{"index", 0},
-              {"text", request_.echo_text + text_},
-              {"logprobs", lp},
-              {"finish_reason", why}};
+    return {{"index", index},
+            {"message", {{"role", "assistant"}, {"content", q.text}}},
+            {"logprobs", lp},
+            {"finish_reason", finish_reason_name(reason)}};
+  }
+  const Prompt& prompt = prompt_of(seq);
+  json lp = nullptr;
+  if (request_.logprobs) lp = legacy_logprobs(seq, 0, prompt.echo_text.size(), request_.echo);
+  return {{"index", index},
+          {"text", prompt.echo_text + q.text},
+          {"logprobs", lp},
+          {"finish_reason", finish_reason_name(reason)}};
+}
+
+json ResponseBuilder::finish(const std::vector<FinishReason>& reasons, const Usage& usage) {
+  const size_t best_of = request_.best_of, n = request_.n;
+  // Mean logprob per generated token; a sequence without tokens ranks last.
+  const auto score = [&](size_t seq) -> double {
+    const auto& tokens = seqs_[seq].tokens;
+    if (tokens.empty()) return -INFINITY;
+    double sum = 0;
+    for (const auto& t : tokens) sum += t.logprob;
+    return sum / double(tokens.size());
+  };
+  json choices = json::array();
+  for (size_t p = 0; p < request_.prompts.size(); ++p) {
+    std::vector<size_t> order(best_of);
+    for (size_t j = 0; j < best_of; ++j) order[j] = p * best_of + j;
+    if (best_of > n)  // stable: equal scores keep the order sequences were started in
+      std::stable_sort(order.begin(), order.end(),
+                       [&](size_t a, size_t b) { return score(a) > score(b); });
+    for (size_t j = 0; j < n; ++j)
+      choices.push_back(choice(order[j], p * n + j, reasons.at(order[j])));
   }
   const bool chat = request_.endpoint == Endpoint::kChat;
   return {{"id", id_},
           {"object", chat ? "chat.completion" : "text_completion"},
           {"created", created_},
           {"model", request_.engine.model},
-          {"choices", json::array({std::move(choice)})},
+          {"choices", std::move(choices)},
           {"usage", usage_json(usage)}};
 }
 

@@ -43,15 +43,32 @@ struct ModelInfo {
   std::string base_name;  // the model used when a request names none
   size_t context;         // max_position_embeddings
   const ChatTemplate* chat_template;
+  size_t max_sequences = 256;  // engine sequences one request may start (the engine's queue)
+};
+
+// One prompt of a request: its token ids and, for echo, its text.
+struct Prompt {
+  std::vector<int32_t> ids;
+  std::string echo_text;  // completions with echo: the prompt as text
 };
 
 struct ParsedRequest {
   Endpoint endpoint = Endpoint::kCompletions;
-  GenerationRequest engine;  // model, prompt ids, sampling, stop, max_tokens, logprob requests
-  std::string echo_text;     // completions with echo: the prompt as text
+  // Model, sampling, stop, max_tokens and logprob requests; its prompt is empty: sequences() gives
+  // each engine request its prompt and seed.
+  GenerationRequest engine;
+  std::vector<Prompt> prompts;  // one; completions may send a list
+  size_t n = 1;                 // choices returned per prompt
+  size_t best_of = 1;           // sequences generated per prompt (>= n)
   bool echo = false;
   bool stream = false, include_usage = false;
   bool logprobs = false;  // report logprobs of generated tokens
+
+  // Engine sequences: best_of per prompt, prompt by prompt. Sequence s generates for prompt
+  // s / best_of with seed `seed + s % best_of`, so one seeded request repeats and its choices
+  // differ.
+  size_t sequences() const { return prompts.size() * best_of; }
+  GenerationRequest sequence(size_t s) const;
 };
 
 // Validates and converts a /v1/completions or /v1/chat/completions body. Throws ApiError(400)
@@ -62,45 +79,54 @@ ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelI
 // and, for chat logprobs, its UTF-8 bytes.
 std::string token_text(const Tokenizer& tokenizer, int32_t id);
 
-// Accumulates one request's output and renders the API objects.
+// Accumulates one request's output, sequence by sequence (ParsedRequest::sequence), and renders
+// the API objects. Streamed, sequence s is choice s (streaming needs best_of == n). Whole, prompt
+// p's choices are its n sequences with the highest mean token logprob, best first, at indices
+// p·n ... p·n + n − 1 (OpenAI's best_of).
 class ResponseBuilder {
  public:
   ResponseBuilder(const ParsedRequest& request, const Tokenizer& tokenizer, std::string id,
                   int64_t created);
 
-  void set_prompt_logprobs(const std::vector<float>& logprobs);  // echo + logprobs
+  void set_prompt_logprobs(size_t seq, const std::vector<float>& logprobs);  // echo + logprobs
   // Adds a generated token and its final text (token id -1: text only, flushed at the end); returns
   // the streamed chunk for it (null when there is nothing to send yet: no text and no logprobs).
-  json add_token(const TokenLogprob& token, const std::string& text);
-  json finish(FinishReason reason, const Usage& usage);  // the final non-stream object
+  json add_token(size_t seq, const TokenLogprob& token, const std::string& text);
+  // The final non-stream object: `reasons` has one entry per sequence; usage covers them all.
+  json finish(const std::vector<FinishReason>& reasons, const Usage& usage);
 
-  // Streaming: the first chunk (chat: role; completions with echo: the prompt), the last chunk with
-  // finish_reason, and the usage chunk.
-  std::optional<json> first_chunk();
-  json final_chunk(FinishReason reason);
+  // Streaming: a choice's first chunk (chat: role; completions with echo: the prompt), its last
+  // chunk with finish_reason, and the usage chunk.
+  std::optional<json> first_chunk(size_t seq);
+  json final_chunk(size_t seq, FinishReason reason);
   json usage_chunk(const Usage& usage);
 
-  const std::string& text() const { return text_; }
-  size_t completion_tokens() const { return tokens_.size(); }
+  const std::string& text(size_t seq) const { return seqs_[seq].text; }
+  size_t completion_tokens(size_t seq) const { return seqs_[seq].tokens.size(); }
 
  private:
+  struct Sequence {
+    std::string text;                  // generated text
+    std::vector<TokenLogprob> tokens;  // generated tokens
+    std::vector<size_t> offsets;       // byte offset of each generated token's text in text
+    std::vector<float> prompt_logprobs;
+    size_t streamed_tokens = 0;  // tokens already reported in chunks
+    size_t streamed_text = 0;
+  };
+  const Prompt& prompt_of(size_t seq) const { return request_.prompts[seq / request_.best_of]; }
   json chunk(json choice) const;
   json usage_json(const Usage& usage) const;
-  // The completions shape for generated tokens [from, end), after the prompt's tokens if
-  // with_prompt.
-  json legacy_logprobs(size_t from, size_t text_offset, bool with_prompt) const;
+  json choice(size_t seq, size_t index, FinishReason reason) const;  // whole, non-stream
+  // The completions shape for sequence seq's generated tokens [from, end), after the prompt's
+  // tokens if with_prompt.
+  json legacy_logprobs(size_t seq, size_t from, size_t text_offset, bool with_prompt) const;
   json chat_logprob(const TokenLogprob& t) const;
 
   const ParsedRequest& request_;
   const Tokenizer& tokenizer_;
   std::string id_;
   int64_t created_;
-  std::string text_;                  // generated text
-  std::vector<TokenLogprob> tokens_;  // generated tokens
-  std::vector<size_t> offsets_;       // byte offset of each generated token's text in text_
-  std::vector<float> prompt_logprobs_;
-  size_t streamed_tokens_ = 0;  // tokens already reported in chunks
-  size_t streamed_text_ = 0;
+  std::vector<Sequence> seqs_;
 };
 
 }  // namespace bitdelta::server

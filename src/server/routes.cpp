@@ -24,9 +24,11 @@ constexpr auto kPoll = 100ms;
 const char* kCompletionsRoute = "/v1/completions";
 const char* kChatRoute = "/v1/chat/completions";
 
-// What the engine reports about one request, handed from its thread to the HTTP thread.
+// What the engine reports about one sequence of a request, handed from its thread to the HTTP
+// thread.
 struct Event {
   enum class Kind { kPromptLogprobs, kToken, kDone, kError } kind;
+  size_t seq = 0;  // which of the request's sequences (ParsedRequest::sequence)
   TokenLogprob token{};
   std::string text;
   std::vector<float> prompt_logprobs;
@@ -57,45 +59,71 @@ class Mailbox {
   std::deque<Event> events_;
 };
 
-// One generation request in flight: the parsed request (the builder refers to it), the engine
-// handle and the events not yet turned into output.
+// One generation request in flight: the parsed request (the builder refers to it), its engine
+// sequences (n or best_of per prompt) and the events not yet turned into output.
 struct Exchange {
   ParsedRequest request;
   std::optional<ResponseBuilder> builder;
   std::shared_ptr<Mailbox> mailbox = std::make_shared<Mailbox>();
-  std::shared_ptr<RequestHandle> handle;
+  std::vector<std::shared_ptr<RequestHandle>> handles;  // one per sequence
   std::deque<Event> pending;
   std::string route;
-  bool header_sent = false, finished = false;
+  bool finished = false;
+  std::vector<char> started;          // streaming: the sequence's first chunk went out
+  std::vector<FinishReason> reasons;  // per sequence, once done
+  size_t done = 0;                    // sequences finished
+  Usage usage;                        // summed: prompt tokens once per prompt
   std::chrono::steady_clock::time_point arrived = std::chrono::steady_clock::now();
+
+  // Stops every sequence still in the engine (they share one answer: one failure ends them all).
+  void stop() {
+    for (auto& h : handles) h->cancel();
+    finished = true;
+  }
+  // Records a finished sequence; true when it was the last.
+  bool sequence_done(const Event& e) {
+    reasons[e.seq] = e.reason;
+    if (e.seq % request.best_of == 0) usage.prompt_tokens += e.usage.prompt_tokens;
+    usage.completion_tokens += e.usage.completion_tokens;
+    usage.ttft_s = done ? std::min(usage.ttft_s, e.usage.ttft_s) : e.usage.ttft_s;
+    usage.total_s = std::max(usage.total_s, e.usage.total_s);
+    if (++done < handles.size()) return false;
+    finished = true;
+    return true;
+  }
+  size_t prompt_tokens() const {
+    size_t total = 0;
+    for (const auto& p : request.prompts) total += p.ids.size();
+    return total;
+  }
 
   ~Exchange() {
     // A stream dropped by the server (shutdown, client gone) must not leave work in the engine.
-    if (handle && !finished) handle->cancel();
+    if (!finished) stop();
   }
 };
 
-GenerationCallbacks callbacks_for(const std::shared_ptr<Mailbox>& box) {
+GenerationCallbacks callbacks_for(const std::shared_ptr<Mailbox>& box, size_t seq) {
   GenerationCallbacks cb;
-  cb.on_prompt_logprobs = [box](const std::vector<float>& lp) {
-    Event e{Event::Kind::kPromptLogprobs};
+  cb.on_prompt_logprobs = [box, seq](const std::vector<float>& lp) {
+    Event e{Event::Kind::kPromptLogprobs, seq};
     e.prompt_logprobs = lp;
     box->push(std::move(e));
   };
-  cb.on_token = [box](const TokenLogprob& t, const std::string& text) {
-    Event e{Event::Kind::kToken};
+  cb.on_token = [box, seq](const TokenLogprob& t, const std::string& text) {
+    Event e{Event::Kind::kToken, seq};
     e.token = t;
     e.text = text;
     box->push(std::move(e));
   };
-  cb.on_done = [box](FinishReason reason, const Usage& usage) {
-    Event e{Event::Kind::kDone};
+  cb.on_done = [box, seq](FinishReason reason, const Usage& usage) {
+    Event e{Event::Kind::kDone, seq};
     e.reason = reason;
     e.usage = usage;
     box->push(std::move(e));
   };
-  cb.on_error = [box](const std::string& message, int status) {
-    Event e{Event::Kind::kError};
+  cb.on_error = [box, seq](const std::string& message, int status) {
+    Event e{Event::Kind::kError, seq};
     e.text = message;
     e.status = status;
     box->push(std::move(e));
@@ -134,17 +162,19 @@ const char* code_for(EngineError::Kind kind) {
 void log_request(const Exchange& x, int status, const Usage* usage, const std::string& note) {
   const double total =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - x.arrived).count();
+  const std::string seqs =
+      x.request.sequences() > 1 ? str(" sequences=", x.request.sequences()) : std::string();
   if (usage)
     std::fprintf(stderr,
-                 "[serve] %s model=%s status=%d prompt_tokens=%zu completion_tokens=%zu ttft=%.3fs "
-                 "total=%.3fs%s%s\n",
+                 "[serve] %s model=%s status=%d prompt_tokens=%zu completion_tokens=%zu%s "
+                 "ttft=%.3fs total=%.3fs%s%s\n",
                  x.route.c_str(), x.request.engine.model.c_str(), status, usage->prompt_tokens,
-                 usage->completion_tokens, usage->ttft_s, total, note.empty() ? "" : " ",
-                 note.c_str());
+                 usage->completion_tokens, seqs.c_str(), usage->ttft_s, total,
+                 note.empty() ? "" : " ", note.c_str());
   else
-    std::fprintf(stderr, "[serve] %s model=%s status=%d prompt_tokens=%zu total=%.3fs %s\n",
-                 x.route.c_str(), x.request.engine.model.c_str(), status,
-                 x.request.engine.prompt.size(), total, note.c_str());
+    std::fprintf(stderr, "[serve] %s model=%s status=%d prompt_tokens=%zu%s total=%.3fs %s\n",
+                 x.route.c_str(), x.request.engine.model.c_str(), status, x.prompt_tokens(),
+                 seqs.c_str(), total, note.c_str());
 }
 
 std::string sse(const json& j) {
@@ -152,44 +182,48 @@ std::string sse(const json& j) {
 }
 
 // Writes what has arrived for a streaming request. Returns false when the client is gone (the
-// engine request is cancelled); calls sink.done() at the end of the stream.
+// engine sequences are cancelled); calls sink.done() at the end of the stream. A choice's first
+// chunk goes out with its sequence's first event (its prompt logprobs come first, when asked for).
 bool stream_some(Exchange& x, Context& ctx, httplib::DataSink& sink) {
   const auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
   const auto gone = [&] {
-    if (x.handle) x.handle->cancel();
-    x.finished = true;
+    x.stop();
     log_request(x, 200, nullptr, "cancelled: client disconnected");
     return false;
   };
-  if (!x.header_sent) {
-    x.header_sent = true;
-    // Echo + logprobs: the prompt's logprobs are in pending already (waited for above).
-    for (auto& e : x.pending)
-      if (e.kind == Event::Kind::kPromptLogprobs) x.builder->set_prompt_logprobs(e.prompt_logprobs);
-    if (auto first = x.builder->first_chunk(); first && !write(sse(*first))) return gone();
-  }
   if (x.pending.empty()) x.pending = x.mailbox->take(kPoll);
   for (auto& e : x.pending) {
+    if (e.kind != Event::Kind::kError && !x.started[e.seq]) {
+      x.started[e.seq] = 1;
+      if (e.kind == Event::Kind::kPromptLogprobs)
+        x.builder->set_prompt_logprobs(e.seq, e.prompt_logprobs);
+      if (auto first = x.builder->first_chunk(e.seq); first && !write(sse(*first))) return gone();
+    }
     switch (e.kind) {
       case Event::Kind::kPromptLogprobs:
         break;
       case Event::Kind::kToken:
-        if (json chunk = x.builder->add_token(e.token, e.text);
+        if (json chunk = x.builder->add_token(e.seq, e.token, e.text);
             !chunk.is_null() && !write(sse(chunk)))
           return gone();
         break;
       case Event::Kind::kDone: {
-        x.finished = true;
-        std::string tail = sse(x.builder->final_chunk(e.reason));
-        if (x.request.include_usage) tail += sse(x.builder->usage_chunk(e.usage));
-        tail += "data: [DONE]\n\n";
+        const bool last = x.sequence_done(e);
+        std::string tail = sse(x.builder->final_chunk(e.seq, e.reason));
+        if (last) {
+          if (x.request.include_usage) tail += sse(x.builder->usage_chunk(x.usage));
+          tail += "data: [DONE]\n\n";
+        }
         if (!write(tail)) return gone();
-        sink.done();
-        log_request(x, 200, &e.usage, "stream");
-        return true;
+        if (last) {
+          sink.done();
+          log_request(x, 200, &x.usage, "stream");
+          return true;
+        }
+        break;
       }
       case Event::Kind::kError: {
-        x.finished = true;
+        x.stop();
         const int status = e.status ? e.status : 500;
         write(sse(error_body(status, e.text, error_type_for(status), "generation_failed")) +
               "data: [DONE]\n\n");
@@ -205,7 +239,7 @@ bool stream_some(Exchange& x, Context& ctx, httplib::DataSink& sink) {
           "data: [DONE]\n\n");
     sink.done();
     log_request(x, 503, nullptr, "cancelled: shutting down");
-    return true;  // ~Exchange cancels the engine request
+    return true;  // ~Exchange cancels the engine sequences
   }
   if (!sink.is_writable()) return gone();
   return true;
@@ -273,68 +307,54 @@ void handle_generation(Context& ctx, const httplib::Request& req, httplib::Respo
   const Tokenizer& tok = ctx.engine.tokenizer();
   try {
     const ModelInfo info{&tok, ctx.engine.options().base_name,
-                         size_t(ctx.engine.config().max_position), &ctx.chat_template};
+                         size_t(ctx.engine.config().max_position), &ctx.chat_template,
+                         ctx.engine.options().max_queue};
     x->request = parse_generation(parse_body(req.body), endpoint, info);
     x->builder.emplace(x->request, tok,
                        ctx.new_id(endpoint == Endpoint::kChat ? "chatcmpl" : "cmpl"),
                        int64_t(std::time(nullptr)));
-    x->handle = ctx.engine.submit(x->request.engine, callbacks_for(x->mailbox));
+    const size_t n = x->request.sequences();
+    x->started.assign(n, 0);
+    x->reasons.assign(n, FinishReason::kNone);
+    // All or nothing: a sequence refused (queue full) cancels those already submitted.
+    for (size_t s = 0; s < n; ++s)
+      x->handles.push_back(ctx.engine.submit(x->request.sequence(s), callbacks_for(x->mailbox, s)));
   } catch (const ApiError& e) {
+    x->stop();
     send_error(ctx, res, x->route, e.status, e.what(), e.code);
     log_request(*x, e.status, nullptr, e.what());
     return;
   } catch (const EngineError& e) {
+    x->stop();
     send_error(ctx, res, x->route, status_for(e.kind), e.what(), code_for(e.kind));
     log_request(*x, status_for(e.kind), nullptr, e.what());
     return;
   } catch (const Error& e) {
+    x->stop();
     send_error(ctx, res, x->route, 400, e.what());
     log_request(*x, 400, nullptr, e.what());
     return;
   }
-
-  // Wait for the first token (or the end, or an error) before answering: a request that fails
-  // before producing anything (its variant's delta failed to load) gets a proper HTTP status, even
-  // when streaming. Echoed prompt logprobs arrive before it and are kept.
-  const auto has_answer = [&] {
-    return std::any_of(x->pending.begin(), x->pending.end(),
-                       [](const Event& e) { return e.kind != Event::Kind::kPromptLogprobs; });
-  };
-  while (!has_answer()) {
-    if (ctx.stopping) {
-      send_error(ctx, res, x->route, 503, "the server is shutting down");
-      log_request(*x, 503, nullptr, "cancelled: shutting down");
-      return;  // ~Exchange cancels
-    }
-    for (auto& e : x->mailbox->take(kPoll)) x->pending.push_back(std::move(e));
-  }
-  for (const auto& e : x->pending)
-    if (e.kind == Event::Kind::kError) {
-      x->finished = true;
-      send_error(ctx, res, x->route, e.status ? e.status : 500, e.text, "generation_failed");
-      log_request(*x, e.status ? e.status : 500, nullptr, e.text);
-      return;
-    } else if (e.kind != Event::Kind::kPromptLogprobs) {
-      break;
-    }
 
   if (!x->request.stream) {
     while (true) {
       for (auto& e : x->pending) {
         switch (e.kind) {
           case Event::Kind::kPromptLogprobs:
-            x->builder->set_prompt_logprobs(e.prompt_logprobs);
+            x->builder->set_prompt_logprobs(e.seq, e.prompt_logprobs);
             break;
           case Event::Kind::kToken:
-            x->builder->add_token(e.token, e.text);
+            x->builder->add_token(e.seq, e.token, e.text);
             break;
           case Event::Kind::kDone:
-            x->finished = true;
-            send_json(ctx, res, x->route, 200, x->builder->finish(e.reason, e.usage));
-            log_request(*x, 200, &e.usage, "");
-            return;
+            if (x->sequence_done(e)) {
+              send_json(ctx, res, x->route, 200, x->builder->finish(x->reasons, x->usage));
+              log_request(*x, 200, &x->usage, "");
+              return;
+            }
+            break;
           case Event::Kind::kError:
-            x->finished = true;
+            x->stop();
             send_error(ctx, res, x->route, e.status ? e.status : 500, e.text, "generation_failed");
             log_request(*x, e.status ? e.status : 500, nullptr, e.text);
             return;
@@ -350,6 +370,29 @@ void handle_generation(Context& ctx, const httplib::Request& req, httplib::Respo
     }
   }
 
+  // Streaming: wait for the first token (or end, or error) of any sequence before answering, so
+  // that a request failing before it produces anything (its variant's delta failed to load) gets a
+  // proper HTTP status. Echoed prompt logprobs arriving before it are kept.
+  const auto has_answer = [&] {
+    return std::any_of(x->pending.begin(), x->pending.end(),
+                       [](const Event& e) { return e.kind != Event::Kind::kPromptLogprobs; });
+  };
+  while (!has_answer()) {
+    if (ctx.stopping) {
+      send_error(ctx, res, x->route, 503, "the server is shutting down");
+      log_request(*x, 503, nullptr, "cancelled: shutting down");
+      return;  // ~Exchange cancels
+    }
+    for (auto& e : x->mailbox->take(kPoll)) x->pending.push_back(std::move(e));
+  }
+  for (const auto& e : x->pending)
+    if (e.kind == Event::Kind::kError) {
+      x->stop();
+      send_error(ctx, res, x->route, e.status ? e.status : 500, e.text, "generation_failed");
+      log_request(*x, e.status ? e.status : 500, nullptr, e.text);
+      return;
+    }
+
   // Streaming: httplib calls the provider until it calls sink.done() or returns false; each call
   // writes what has arrived. A failed write means the client is gone: cancel the engine request.
   ctx.http.count(x->route, 200);
@@ -364,8 +407,7 @@ void handle_generation(Context& ctx, const httplib::Request& req, httplib::Respo
         } catch (const std::exception& e) {
           const std::string m = str("internal error: ", e.what());
           std::fprintf(stderr, "[serve] %s status=500 %s\n", x->route.c_str(), m.c_str());
-          if (x->handle) x->handle->cancel();
-          x->finished = true;
+          x->stop();
           const std::string tail =
               sse(error_body(500, m, error_type_for(500), "")) + "data: [DONE]\n\n";
           sink.write(tail.data(), tail.size());
@@ -375,9 +417,8 @@ void handle_generation(Context& ctx, const httplib::Request& req, httplib::Respo
       },
       [x](bool success) {
         // Called when the response ends; on failure (client gone) stop the engine's work now.
-        if (!success && x->handle && !x->finished) {
-          x->handle->cancel();
-          x->finished = true;
+        if (!success && !x->finished) {
+          x->stop();
           log_request(*x, 200, nullptr, "cancelled: client disconnected");
         }
       });

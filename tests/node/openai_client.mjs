@@ -1,6 +1,7 @@
 // The official `openai` npm client against a running `bitdelta serve`:
 //   node tests/node/openai_client.mjs http://127.0.0.1:PORT/v1 [API_KEY]
-// Completions and chat, whole and streamed, model listing and a 404; exits non-zero on any mismatch.
+// Completions (n > 1 and a list of prompts too) and chat, whole and streamed, model listing and a
+// 404; exits non-zero on any mismatch.
 import assert from "node:assert/strict";
 import OpenAI from "openai";
 
@@ -32,6 +33,14 @@ for await (const chunk of stream) {
 }
 assert.equal(streamed, whole.choices[0].text);
 assert.equal(usage?.completion_tokens, 8);
+
+// n choices of one prompt, and a list of prompts: one choice per prompt and n, indexed in order.
+const two = await client.completions.create({
+  ...params, prompt: ["the quick brown fox", "the lazy dog"], n: 2, temperature: 0.8, max_tokens: 4,
+  ignore_eos: true,
+});
+assert.deepEqual(two.choices.map((c) => c.index), [0, 1, 2, 3]);
+assert.equal(two.usage.completion_tokens, 16);
 
 const messages = [{ role: "user", content: "Write a short poem about the sea." }];
 const chat = await client.chat.completions.create({ model: variant, messages, max_tokens: 6, temperature: 0 });
