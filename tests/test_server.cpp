@@ -378,7 +378,7 @@ TEST(Protocol, BestOfKeepsTheHighestMeanLogprobs) {
                                                     {-0.1f},          {-0.1f, -0.1f}};
   for (size_t s = 0; s < logprobs.size(); ++s)
     for (float lp : logprobs[s])
-      EXPECT_TRUE(b.add_token(s, {5, lp, {}}, "s" + std::to_string(s)).is_null());  // not streamed
+      EXPECT_TRUE(b.add_token(s, {5, lp, {}}, str("s", s)).is_null());  // not streamed
   std::vector<FinishReason> reasons(6, FinishReason::kLength);
   reasons[2] = FinishReason::kStop;
   const json out = b.finish(reasons, Usage{2, 9});
@@ -406,6 +406,88 @@ class ServerTest : public ::testing::Test {
     return std::make_unique<ServerProcess>(family_args(family(), std::move(extra)), log);
   }
 };
+
+// A checkpoint whose tokenizer is a byte-level BPE tokenizer.json (Llama 3's configuration, from
+// tests/fixtures/bpe) and whose chat template is Llama 3's: the chat prompt the server builds is
+// the ids the reference tokenizer gives for the rendered text, special tokens included.
+TEST(ServerBpe, Llama3TokenizerJsonServesChatAndCompletions) {
+  test::TempDir dir;
+  const fs::path base = dir / "base";
+  fs::create_directories(base);
+  json config = test::tiny_server_config();
+  config["vocab_size"] = 964;  // the fixture's ids reach 963
+  config["bos_token_id"] = 958;
+  config["eos_token_id"] = 962;
+  const ModelConfig c = ModelConfig::from_json(config, "tiny");
+  test::TensorMap weights;
+  uint64_t seed = 300;
+  for (const auto& spec : weight_table(c)) {
+    auto v = test::random_floats(numel(spec.shape), seed++, spec.shape.size() == 1 ? 0.1f : 0.4f);
+    if (spec.shape.size() == 1)
+      for (auto& x : v) x += 1.0f;
+    weights[spec.name] = test::HostTensor::from_floats(DType::BF16, spec.shape, v);
+  }
+  test::write_checkpoint(base, weights);
+  test::write_text(base / "config.json", config.dump());
+  test::write_text(base / "tokenizer_config.json",
+                   json{{"chat_template",
+                         "{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+                         "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"}}
+                       .dump());
+  fs::copy_file(kSourceDir / "tests/fixtures/bpe/tokenizer_llama3.json", base / "tokenizer.json");
+  std::ifstream in(kSourceDir / "tests/fixtures/bpe/cases.json");
+  const json cases = json::parse(in)["variants"]["llama3"]["cases"];
+  const auto ids_of = [&](const std::string& text) {
+    for (const auto& k : cases) {
+      std::string bytes;
+      const std::string hex = k["hex"];
+      for (size_t i = 0; i + 1 < hex.size(); i += 2)
+        bytes += char(std::stoi(hex.substr(i, 2), nullptr, 16));
+      if (bytes == text) return k["ids"].get<std::vector<int32_t>>();
+    }
+    ADD_FAILURE() << "no fixture case for " << text;
+    return std::vector<int32_t>{};
+  };
+
+  ServerProcess server({base.string(), "--threads", "1"}, dir / "serve.log");
+  auto cl = server.client();
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                     {"max_tokens", 5},
+                     {"temperature", 0},
+                     {"ignore_eos", true},
+                     {"logprobs", true}};
+  const auto whole = post(cl, "/v1/chat/completions", chat);
+  ASSERT_EQ(whole.status, 200) << whole.raw << server.log();
+  const auto prompt = ids_of(
+      "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+      "<|start_header_id|>assistant<|end_header_id|>\n\n");
+  ASSERT_FALSE(prompt.empty());
+  EXPECT_EQ(whole.body["usage"]["prompt_tokens"], prompt.size());  // BOS and specials as ids
+  EXPECT_EQ(whole.body["choices"][0]["logprobs"]["content"].size(), 5u);
+  std::string joined;
+  for (const auto& e : streamed_events(cl, "/v1/chat/completions", chat))
+    if (!e["choices"].empty() && e["choices"][0]["delta"].contains("content"))
+      joined += e["choices"][0]["delta"]["content"].get<std::string>();
+  EXPECT_EQ(joined, whole.body["choices"][0]["message"]["content"]);
+
+  // Completions with echo: the prompt's tokens are the reference's, BOS first.
+  const auto echoed = post(cl, "/v1/completions",
+                           json{{"prompt", "Hello world"},
+                                {"max_tokens", 2},
+                                {"echo", true},
+                                {"logprobs", 0},
+                                {"temperature", 0}});
+  ASSERT_EQ(echoed.status, 200) << echoed.raw;
+  const auto hello = ids_of("Hello world");
+  EXPECT_EQ(echoed.body["usage"]["prompt_tokens"], hello.size());
+  const auto& tokens = echoed.body["choices"][0]["logprobs"]["tokens"];
+  ASSERT_EQ(tokens.size(), hello.size() + 2);
+  EXPECT_EQ(tokens[0], "<|begin_of_text|>");
+  std::string text;
+  for (size_t i = 1; i < hello.size(); ++i) text += tokens[i].get<std::string>();
+  EXPECT_EQ(text, "Hello world");
+  EXPECT_EQ(echoed.body["choices"][0]["text"].get<std::string>().rfind("Hello world", 0), 0u);
+}
 
 TEST_F(ServerTest, CompletionsAndChatWholeAndStreamed) {
   auto server = start();
@@ -601,7 +683,9 @@ TEST_F(ServerTest, ChoicesAndPromptListsAreTheirSingleRequests) {
     }
     const size_t k = e["choices"][0]["index"];
     ASSERT_LT(k, 2u);
-    if (chunks[k]++ == 0) EXPECT_EQ(e["choices"][0]["delta"]["role"], "assistant") << k;
+    if (chunks[k]++ == 0) {
+      EXPECT_EQ(e["choices"][0]["delta"]["role"], "assistant") << k;
+    }
     if (e["choices"][0]["delta"].contains("content"))
       content[k] += e["choices"][0]["delta"]["content"].get<std::string>();
   }

@@ -1,11 +1,16 @@
 // Tokenizer against the Python sentencepiece fixture of the demo family, its BOS/EOS configuration,
-// and the streaming detokenizer against whole-sequence decoding.
+// and the streaming detokenizer against whole-sequence decoding. The byte-level BPE
+// (tokenizer.json) against the cases of tools/bpe_fixture/make_fixture.py, and its errors.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bitdelta/error.h"
@@ -213,7 +218,8 @@ void expect_error(const fs::path& dir, const std::vector<std::string>& fragments
 
 TEST(Tokenizer, MissingOrCorruptModelIsNamed) {
   TempDir tmp;
-  expect_error(tmp.path(), {(tmp.path() / "tokenizer.model").string(), "missing"});
+  expect_error(tmp.path(),
+               {tmp.path().string(), "no tokenizer", "tokenizer.model", "tokenizer.json"});
   write_text(tmp / "tokenizer.model", "this is not a protobuf");
   expect_error(tmp.path(), {(tmp.path() / "tokenizer.model").string(), "SentencePiece"});
 }
@@ -400,6 +406,177 @@ TEST(StreamDecoder, LongGenerationStaysExact) {
   std::vector<int32_t> ids(5000);
   for (auto& id : ids) id = static_cast<int32_t>(rng() % tok.vocab_size());
   EXPECT_EQ(stream(tok, ids), tok.decode(ids));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Byte-level BPE from tokenizer.json: three pre-tokenizer configurations of released checkpoints
+// (Llama 3, Qwen2, GPT-2) against the ids a reference written from the format's definition gives
+// (tests/fixtures/bpe, by tools/bpe_fixture/make_fixture.py).
+
+const fs::path kBpeFixtures = kSourceDir / "tests/fixtures/bpe";
+
+json bpe_cases() {
+  std::ifstream in(kBpeFixtures / "cases.json");
+  return json::parse(in);
+}
+
+std::string unhex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2)
+    out += char(std::stoi(hex.substr(i, 2), nullptr, 16));
+  return out;
+}
+
+json bpe_json(const std::string& variant) {
+  std::ifstream in(kBpeFixtures / ("tokenizer_" + variant + ".json"));
+  return json::parse(in);
+}
+
+// A checkpoint directory with only this tokenizer.json.
+void write_bpe(const fs::path& dir, const json& tokenizer) {
+  write_text(dir / "tokenizer.json", tokenizer.dump());
+}
+
+TEST(ByteLevelBpe, MatchesTheReferenceForThreeConfigurations) {
+  const json cases = bpe_cases();
+  ASSERT_EQ(cases["variants"].size(), 3u);
+  for (const auto& [variant, entry] : cases["variants"].items()) {
+    SCOPED_TRACE(variant);
+    TempDir tmp;
+    write_bpe(tmp.path(), bpe_json(variant));
+    const Tokenizer tok(tmp.path());
+    const auto bos = entry["bos"].get<std::vector<int32_t>>();
+    EXPECT_EQ(tok.adds_bos(), !bos.empty());
+    if (!bos.empty()) {
+      EXPECT_EQ(tok.bos_id(), bos[0]);
+    }
+    ASSERT_GE(entry["cases"].size(), 40u);
+    for (const auto& c : entry["cases"]) {
+      const std::string text = unhex(c["hex"]);
+      const auto ids = c["ids"].get<std::vector<int32_t>>();
+      EXPECT_EQ(tok.encode(text, tok.adds_bos()), ids) << "text: " << text;
+      EXPECT_EQ(tok.decode(ids), c["decoded"].get<std::string>()) << "text: " << text;
+      EXPECT_EQ(stream(tok, ids), c["decoded"].get<std::string>()) << "text: " << text;
+    }
+  }
+}
+
+TEST(ByteLevelBpe, TokensReadAsTheirBytesAndSpecialsAsControl) {
+  TempDir tmp;
+  write_bpe(tmp.path(), bpe_json("llama3"));
+  const Tokenizer tok(tmp.path());
+  const json vocab = bpe_json("llama3")["model"]["vocab"];
+  // "Ġ" spells the space byte, "Ċ" the newline: GPT-2's alphabet.
+  const int32_t space = vocab["\xC4\xA0"], newline = vocab["\xC4\x8A"];
+  EXPECT_EQ(tok.token_text(space), " ");
+  EXPECT_EQ(tok.piece(space), "\xC4\xA0");
+  EXPECT_EQ(tok.token_text(newline), "\n");
+  EXPECT_EQ(tok.decode(std::vector<int32_t>{space, newline}), " \n");
+  const int32_t eot = 962;  // <|eot_id|>
+  EXPECT_TRUE(tok.is_control(eot));
+  EXPECT_EQ(tok.token_text(eot), "<|eot_id|>");
+  EXPECT_EQ(tok.decode(std::vector<int32_t>{space, eot, newline}), " \n");
+  // The two ids between the vocabulary and the added tokens belong to no token: they decode to
+  // nothing, and the vocabulary size counts up to the last added token.
+  EXPECT_EQ(tok.vocab_size(), 964u);
+  EXPECT_EQ(tok.decode(std::vector<int32_t>{956, 957}), "");
+  EXPECT_THROW(tok.decode(std::vector<int32_t>{964}), Error);
+  // Special ids from config.json override the template's BOS; EOS comes only from there.
+  EXPECT_TRUE(tok.eos_ids().empty());
+  write_text(tmp / "config.json", R"({"bos_token_id": 959, "eos_token_id": [962, 959]})");
+  const Tokenizer configured(tmp.path());
+  EXPECT_EQ(configured.bos_id(), 959);
+  EXPECT_EQ(configured.eos_ids(), (std::vector<int32_t>{962, 959}));
+}
+
+// ignore_merges (Llama 3): a word the vocabulary holds whole is that token, even where the merges
+// would spell it otherwise.
+TEST(ByteLevelBpe, IgnoreMergesTakesWholeWordsFromTheVocabulary) {
+  json tk = bpe_json("llama3");
+  tk["model"]["vocab"]["qqqz"] = 5000;  // no merge makes it
+  TempDir with, without;
+  write_bpe(with.path(), tk);
+  tk["model"]["ignore_merges"] = false;
+  write_bpe(without.path(), tk);
+  const Tokenizer a(with.path()), b(without.path());
+  EXPECT_EQ(a.encode("qqqz", false), std::vector<int32_t>{5000});
+  const auto merged = b.encode("qqqz", false);
+  EXPECT_GT(merged.size(), 1u);
+  EXPECT_EQ(b.decode(merged), "qqqz");
+}
+
+TEST(ByteLevelBpe, EncodesFromManyThreadsAtOnce) {
+  TempDir tmp;
+  write_bpe(tmp.path(), bpe_json("qwen2"));
+  const Tokenizer tok(tmp.path());
+  const json cases = bpe_cases()["variants"]["qwen2"]["cases"];
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&] {
+      for (int round = 0; round < 20; ++round)
+        for (const auto& c : cases)
+          if (tok.encode(unhex(c["hex"]), false) != c["ids"].get<std::vector<int32_t>>()) ++wrong;
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(wrong, 0);
+}
+
+TEST(ByteLevelBpe, UnsupportedOrBrokenFilesAreNamed) {
+  const json good = bpe_json("llama3");
+  const auto expect_bpe_error = [&](const std::function<void(json&)>& edit,
+                                    const std::vector<std::string>& fragments) {
+    json tk = good;
+    edit(tk);
+    TempDir tmp;
+    write_bpe(tmp.path(), tk);
+    std::vector<std::string> all = {(tmp.path() / "tokenizer.json").string()};
+    all.insert(all.end(), fragments.begin(), fragments.end());
+    expect_error(tmp.path(), all);
+  };
+  expect_bpe_error([](json& t) { t["model"]["type"] = "WordPiece"; },
+                   {"model.type \"WordPiece\" is not supported"});
+  expect_bpe_error([](json& t) { t["model"]["byte_fallback"] = true; },
+                   {"byte_fallback", "tokenizer.model"});
+  expect_bpe_error([](json& t) { t["model"]["merges"][3] = "nosuch token"; },
+                   {"model.merges[3]", "not in model.vocab"});
+  expect_bpe_error([](json& t) { t["model"]["merges"][4] = "a"; }, {"model.merges[4]"});
+  expect_bpe_error([](json& t) { t["model"]["vocab"].erase("!"); }, {"no token for byte 33"});
+  expect_bpe_error([](json& t) { t["model"]["vocab"]["dup"] = 7; }, {"id 7 to two tokens"});
+  expect_bpe_error(
+      [](json& t) {
+        t["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "_"}};
+      },
+      {"pre_tokenizer type 'Metaspace' is not supported"});
+  expect_bpe_error([](json& t) { t["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; },
+                   {"pre_tokenizer.pretokenizers[0].behavior 'Removed' is not supported"});
+  expect_bpe_error(
+      [](json& t) { t["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(a"; },
+      {"pre_tokenizer.pretokenizers[0] pattern does not compile"});
+  expect_bpe_error([](json& t) { t["pre_tokenizer"] = t["pre_tokenizer"]["pretokenizers"][0]; },
+                   {"no ByteLevel step"});
+  expect_bpe_error(
+      [](json& t) {
+        t["normalizer"] = {{"type", "Lowercase"}};
+      },
+      {"normalizer type 'Lowercase' is not supported"});
+  expect_bpe_error(
+      [](json& t) {
+        t["decoder"] = {{"type", "Metaspace"}};
+      },
+      {"decoder type 'Metaspace' is not supported"});
+  expect_bpe_error(
+      [](json& t) {
+        auto& single = t["post_processor"]["processors"][1]["single"];
+        single.push_back(single[0]);
+      },
+      {"after the text"});
+  expect_bpe_error([](json& t) { t["added_tokens"][0]["id"] = 40; }, {"added_tokens[0]", "id 40"});
+  expect_bpe_error([](json& t) { t["added_tokens"][1]["content"] = ""; },
+                   {"added_tokens[1] must be an object with a non-empty content"});
+  TempDir tmp;
+  write_text(tmp / "tokenizer.json", "{\"model\": ");
+  expect_error(tmp.path(), {(tmp.path() / "tokenizer.json").string()});
 }
 
 }  // namespace

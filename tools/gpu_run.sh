@@ -8,7 +8,9 @@
 # built there from source (-DBITDELTA_CUDA_ONLY=ON) and only their test and benchmark run.
 #
 # BITDELTA_STAGES (default "tests serve e2e"): any of
-#   tests    bitdelta_gpu_tests (ops, model vs fixtures and CPU, engine tiers, CLI) + test_cuda_fused_linear
+#   tests    bitdelta_gpu_tests (ops, model vs fixtures and CPU, engine tiers, CLI) + test_cuda_fused_linear;
+#            and the byte-level BPE fixture (tests/fixtures/bpe) against the `tokenizers` package,
+#            which this machine has and the CPU machine lacks
 #   serve    `bitdelta serve --device cuda` on the demo family: one request per variant, `bench serve`, /metrics
 #   kernels  bench_cuda_fused_linear (the linear-layer table of issue 6) and bench_gpu_attention
 #   e2e      a synthetic Llama-2-7B-shaped model with 14 deltas (made here, in /tmp) and bench_gpu_e2e
@@ -63,6 +65,9 @@ if has tests; then
   grep -q "^\[  PASSED  \]" "$out/gpu_tests.log" && ! grep -q "^\[  FAILED  \]" "$out/gpu_tests.log" || status=1
   "$bin/test_cuda_fused_linear" >"$out/kernel_test.log" 2>&1 || status=1
   tail -2 "$out/kernel_test.log"
+  python3 tools/bpe_fixture/make_fixture.py tests/fixtures/bpe --check >"$out/bpe_check.log" 2>&1 ||
+    status=1
+  tail -3 "$out/bpe_check.log"
 fi
 
 if has serve; then

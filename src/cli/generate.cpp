@@ -44,7 +44,8 @@ void add_generate_command(CLI::App& app) {
     a->sampling.validate();
     auto [model, variant] = load(a->model);
     const Tokenizer tokenizer(a->model.base);
-    const auto ids = a->prompt_tokens.empty() ? tokenizer.encode(a->prompt, true) : parse_ids(a->prompt_tokens, "--prompt-tokens");
+    const auto ids = a->prompt_tokens.empty() ? tokenizer.encode(a->prompt, tokenizer.adds_bos())
+                                              : parse_ids(a->prompt_tokens, "--prompt-tokens");
     StopConditions stop;
     stop.stop_ids = tokenizer.eos_ids();
     stop.stop_strings = a->stop;

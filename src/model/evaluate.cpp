@@ -88,7 +88,7 @@ double math_accuracy(Model& model, int variant, const Tokenizer& tokenizer, cons
     std::vector<ForwardRow> rows;
     for (size_t i = 0; i < np; ++i) seqs.push_back(model.new_sequence(variant));
     for (size_t i = 0; i < np; ++i) {
-      const auto ids = tokenizer.encode(problems[p0 + i].prompt, true);
+      const auto ids = tokenizer.encode(problems[p0 + i].prompt, tokenizer.adds_bos());
       for (size_t j = 0; j < ids.size(); ++j) rows.push_back({&seqs[i], ids[j], j + 1 == ids.size()});
     }
     std::vector<size_t> active(np);

@@ -82,7 +82,7 @@ std::vector<int32_t> token_ids(const Tokenizer& tokenizer, const json& array,
 }
 
 std::vector<int32_t> encode_text(const Tokenizer& tokenizer, const std::string& text) {
-  return tokenizer.encode(text, tokenizer.bos_id() >= 0);
+  return tokenizer.encode(text, tokenizer.adds_bos());
 }
 
 // The text of a chat message's content: a string, or a list of {"type": "text", "text"} parts.
@@ -171,7 +171,10 @@ void parse_messages(const json& body, const ModelInfo& model, ParsedRequest& r) 
   const Tokenizer& tok = *model.tokenizer;
   auto& ids = r.prompts.emplace_back().ids;
   for (size_t i = 0; i < segments.size(); ++i) {
-    if ((i == 0 || segments[i].bos_before) && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+    // The first segment gets BOS as the tokenizer would add it; later ones where the template
+    // asks (Llama-2's turns).
+    const bool bos = i == 0 ? tok.adds_bos() : segments[i].bos_before;
+    if (bos && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
     const auto piece = tok.encode(segments[i].text, false);
     ids.insert(ids.end(), piece.begin(), piece.end());
     if (segments[i].eos_after && !tok.eos_ids().empty()) ids.push_back(tok.eos_ids().front());
@@ -398,30 +401,6 @@ ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelI
   return r;
 }
 
-std::string token_text(const Tokenizer& tokenizer, int32_t id) {
-  std::string piece = tokenizer.piece(id);
-  if (tokenizer.is_control(id)) return piece;
-  // Byte-fallback pieces look like <0xE2>: the token stands for that one byte.
-  if (piece.size() == 6 && piece.compare(0, 3, "<0x") == 0 && piece[5] == '>') {
-    try {
-      return std::string(1, char(std::stoi(piece.substr(3, 2), nullptr, 16)));
-    } catch (const std::exception&) {
-      return piece;
-    }
-  }
-  std::string out;
-  static const std::string kSpace = "\xE2\x96\x81";  // ▁
-  for (size_t i = 0; i < piece.size();) {
-    if (piece.compare(i, kSpace.size(), kSpace) == 0) {
-      out += ' ';
-      i += kSpace.size();
-    } else {
-      out += piece[i++];
-    }
-  }
-  return out;
-}
-
 GenerationRequest ParsedRequest::sequence(size_t s) const {
   GenerationRequest g = engine;
   g.prompt = prompts.at(s / best_of).ids;
@@ -460,7 +439,7 @@ json ResponseBuilder::usage_json(const Usage& usage) const {
 
 json ResponseBuilder::chat_logprob(const TokenLogprob& t) const {
   const auto entry = [&](int32_t id, float lp) {
-    const std::string text = token_text(tokenizer_, id);
+    const std::string text = tokenizer_.token_text(id);
     json bytes = json::array();
     for (unsigned char c : text) bytes.push_back(int(c));
     return json{{"token", text}, {"logprob", lp}, {"bytes", bytes}};
@@ -483,7 +462,7 @@ json ResponseBuilder::legacy_logprobs(size_t seq, size_t from, size_t text_offse
     size_t offset = 0;
     for (size_t i = 0; i < prompt.ids.size(); ++i) {
       const int32_t id = prompt.ids[i];
-      const std::string text = token_text(tokenizer_, id);
+      const std::string text = tokenizer_.token_text(id);
       tokens.push_back(text);
       offsets.push_back(std::min(offset, prompt.echo_text.size()));
       if (!tokenizer_.is_control(id)) offset += text.size();
@@ -498,11 +477,11 @@ json ResponseBuilder::legacy_logprobs(size_t seq, size_t from, size_t text_offse
   }
   for (size_t i = from; i < q.tokens.size(); ++i) {
     const auto& t = q.tokens[i];
-    tokens.push_back(token_text(tokenizer_, t.token));
+    tokens.push_back(tokenizer_.token_text(t.token));
     lps.push_back(t.logprob);
     json top = json::object();
     for (const auto& [id, lp] : t.top) {
-      const std::string text = token_text(tokenizer_, id);
+      const std::string text = tokenizer_.token_text(id);
       if (!top.contains(text)) top[text] = lp;  // most likely first; equal texts keep the first
     }
     tops.push_back(std::move(top));

@@ -75,10 +75,6 @@ struct ParsedRequest {
 // naming the field ("temperature must be >= 0", "prompt[2] must be a token id ...").
 ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelInfo& model);
 
-// A token as the API shows it: its text (SentencePiece's ▁ as a space; a byte piece as that byte)
-// and, for chat logprobs, its UTF-8 bytes.
-std::string token_text(const Tokenizer& tokenizer, int32_t id);
-
 // Accumulates one request's output, sequence by sequence (ParsedRequest::sequence), and renders
 // the API objects. Streamed, sequence s is choice s (streaming needs best_of == n). Whole, prompt
 // p's choices are its n sequences with the highest mean token logprob, best first, at indices

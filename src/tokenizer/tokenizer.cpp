@@ -9,6 +9,8 @@
 
 #include "bitdelta/checkpoint.h"
 #include "bitdelta/error.h"
+#include "tokenizer/bpe.h"
+#include "tokenizer/utf8.h"
 
 namespace bitdelta {
 
@@ -18,27 +20,8 @@ using nlohmann::json;
 namespace {
 
 constexpr const char* kModelFile = "tokenizer.model";
+constexpr const char* kJsonFile = "tokenizer.json";
 constexpr std::string_view kSpaceSymbol = "\xE2\x96\x81";  // U+2581, SentencePiece's space
-
-// Length of the UTF-8 sequence a byte starts: 1 for ASCII, continuation and invalid lead bytes
-// (a decoder consumes those one at a time, whatever follows them).
-size_t utf8_length(uint8_t lead) {
-  if (lead >= 0xC2 && lead <= 0xDF) return 2;
-  if (lead >= 0xE0 && lead <= 0xEF) return 3;
-  if (lead >= 0xF0 && lead <= 0xF4) return 4;
-  return 1;
-}
-
-// Bytes at the end of `bytes` that start a character the next bytes might still complete.
-template <typename ByteAt>
-size_t unfinished_suffix(size_t n, ByteAt byte_at) {
-  for (size_t k = 1; k <= 3 && k <= n; ++k) {
-    const uint8_t b = byte_at(n - k);
-    if ((b & 0xC0) == 0x80) continue;  // continuation: the lead is further back
-    return utf8_length(b) > k ? k : 0;
-  }
-  return 0;
-}
 
 int32_t token_id(const fs::path& file, const char* field, const json& value) {
   if (!value.is_number_integer() || value.get<int64_t>() < 0 || value.get<int64_t>() > INT32_MAX)
@@ -77,44 +60,60 @@ void read_special_ids(const fs::path& file, SpecialIds& ids_out) {
 
 }  // namespace
 
-Tokenizer::Tokenizer(const fs::path& checkpoint_dir)
-    : model_path_(checkpoint_dir / kModelFile),
-      sp_(std::make_unique<sentencepiece::SentencePieceProcessor>()) {
+Tokenizer::Tokenizer(const fs::path& checkpoint_dir) : model_path_(checkpoint_dir / kModelFile) {
   std::error_code ec;
-  if (!fs::is_regular_file(model_path_, ec))
-    fail(model_path_.string(), ": missing (a checkpoint directory needs a SentencePiece ",
-         kModelFile, ")");
-  if (const auto status = sp_->Load(model_path_.string()); !status.ok())
-    fail(model_path_.string(), ": not a valid SentencePiece model (", status.ToString(), ")");
-  const int size = sp_->GetPieceSize();
-  if (size <= 0) fail(model_path_.string(), ": SentencePiece model has an empty vocabulary");
+  int32_t own_bos = -1, own_eos = -1;  // what the tokenizer file itself says
+  if (fs::is_regular_file(model_path_, ec)) {
+    sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
+    if (const auto status = sp_->Load(model_path_.string()); !status.ok())
+      fail(model_path_.string(), ": not a valid SentencePiece model (", status.ToString(), ")");
+    const int size = sp_->GetPieceSize();
+    if (size <= 0) fail(model_path_.string(), ": SentencePiece model has an empty vocabulary");
 
-  kinds_.resize(size_t(size));
-  bytes_.assign(size_t(size), 0);
-  visible_.assign(size_t(size), 0);
-  for (int id = 0; id < size; ++id) {
-    const size_t i = size_t(id);
-    const std::string& p = sp_->IdToPiece(id);
-    if (sp_->IsControl(id)) {
-      kinds_[i] = Kind::kControl;
-    } else if (sp_->IsUnknown(id)) {
-      kinds_[i] = Kind::kUnknown;
-      visible_[i] = 1;  // decodes to " ⁇ "
-    } else if (sp_->IsUnused(id)) {
-      kinds_[i] = Kind::kUnused;
-    } else if (sp_->IsByte(id)) {
-      kinds_[i] = Kind::kByte;
-      // Byte pieces are spelled <0xNN>.
-      if (p.size() != 6 || p.compare(0, 3, "<0x") != 0 || p[5] != '>')
-        fail(model_path_.string(), ": byte piece ", id, " is spelled '", p, "', expected <0xNN>");
-      bytes_[i] = static_cast<uint8_t>(std::stoi(p.substr(3, 2), nullptr, 16));
-    } else {
-      kinds_[i] = Kind::kNormal;
-      // At the start of a decode SentencePiece drops one leading space symbol.
-      const bool leading_space = p.compare(0, kSpaceSymbol.size(), kSpaceSymbol) == 0;
-      visible_[i] = p.size() > (leading_space ? kSpaceSymbol.size() : 0);
+    kinds_.resize(size_t(size));
+    bytes_.assign(size_t(size), 0);
+    visible_.assign(size_t(size), 0);
+    for (int id = 0; id < size; ++id) {
+      const size_t i = size_t(id);
+      const std::string& p = sp_->IdToPiece(id);
+      if (sp_->IsControl(id)) {
+        kinds_[i] = Kind::kControl;
+      } else if (sp_->IsUnknown(id)) {
+        kinds_[i] = Kind::kUnknown;
+        visible_[i] = 1;  // decodes to " ⁇ "
+      } else if (sp_->IsUnused(id)) {
+        kinds_[i] = Kind::kUnused;
+      } else if (sp_->IsByte(id)) {
+        kinds_[i] = Kind::kByte;
+        // Byte pieces are spelled <0xNN>.
+        if (p.size() != 6 || p.compare(0, 3, "<0x") != 0 || p[5] != '>')
+          fail(model_path_.string(), ": byte piece ", id, " is spelled '", p, "', expected <0xNN>");
+        bytes_[i] = static_cast<uint8_t>(std::stoi(p.substr(3, 2), nullptr, 16));
+      } else {
+        kinds_[i] = Kind::kNormal;
+        // At the start of a decode SentencePiece drops one leading space symbol.
+        const bool leading_space = p.compare(0, kSpaceSymbol.size(), kSpaceSymbol) == 0;
+        visible_[i] = p.size() > (leading_space ? kSpaceSymbol.size() : 0);
+      }
     }
+    own_bos = sp_->bos_id();
+    own_eos = sp_->eos_id();
+  } else if (fs::is_regular_file(checkpoint_dir / kJsonFile, ec)) {
+    model_path_ = checkpoint_dir / kJsonFile;
+    bpe_ = std::make_unique<ByteLevelBpe>(model_path_);
+    kinds_.resize(bpe_->vocab_size());
+    for (size_t i = 0; i < kinds_.size(); ++i) {
+      const auto id = int32_t(i);
+      kinds_[i] = bpe_->is_unused(id)    ? Kind::kUnused
+                  : bpe_->is_special(id) ? Kind::kControl
+                                         : Kind::kNormal;
+    }
+    if (!bpe_->prefix().empty()) own_bos = bpe_->prefix().front();
+  } else {
+    fail(checkpoint_dir.string(), ": no tokenizer (a checkpoint directory needs a SentencePiece ",
+         kModelFile, " or a byte-level BPE ", kJsonFile, ")");
   }
+  const size_t size = kinds_.size();
 
   // generation_config.json is what generation uses; config.json is the older place for the ids.
   SpecialIds special;
@@ -123,8 +122,10 @@ Tokenizer::Tokenizer(const fs::path& checkpoint_dir)
   if (special.bos && !valid_id(*special.bos))
     fail(special.bos_file.string(), ": bos_token_id ", *special.bos,
          " is outside the tokenizer's vocabulary of ", size, " ids");
-  bos_id_ = special.bos ? *special.bos : sp_->bos_id();
-  if (!special.eos && sp_->eos_id() >= 0) special.eos = std::vector<int32_t>{sp_->eos_id()};
+  bos_id_ = special.bos ? *special.bos : own_bos;
+  // SentencePiece puts BOS first whenever it has one; tokenizer.json when its template says so.
+  adds_bos_ = bpe_ ? !bpe_->prefix().empty() : bos_id_ >= 0;
+  if (!special.eos && own_eos >= 0) special.eos = std::vector<int32_t>{own_eos};
   for (const int32_t id : special.eos.value_or(std::vector<int32_t>{})) {
     if (!valid_id(id))
       fail(special.eos_file.string(), ": eos_token_id ", id,
@@ -144,22 +145,30 @@ void Tokenizer::check_id(int32_t id) const {
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos) const {
+  if (add_bos && bos_id_ < 0)
+    fail(model_path_.string(), ": BOS requested but the tokenizer defines no BOS id");
+  std::vector<int32_t> out;
+  if (add_bos) out.push_back(bos_id_);
+  if (bpe_) {
+    const auto ids = bpe_->encode(text);
+    out.insert(out.end(), ids.begin(), ids.end());
+    return out;
+  }
   std::vector<int> ids;
   if (const auto status = sp_->Encode(text, &ids); !status.ok())
     fail(model_path_.string(), ": cannot encode text of ", text.size(), " bytes (",
          status.ToString(), ")");
-  if (!add_bos) return ids;
-  if (bos_id_ < 0)
-    fail(model_path_.string(), ": BOS requested but the tokenizer defines no BOS id");
-  std::vector<int32_t> out;
-  out.reserve(ids.size() + 1);
-  out.push_back(bos_id_);
   out.insert(out.end(), ids.begin(), ids.end());
   return out;
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids) const {
   for (const int32_t id : ids) check_id(id);
+  if (bpe_) {
+    std::string bytes;
+    for (const int32_t id : ids) bytes += bpe_->bytes(id);  // empty for special and unused ids
+    return utf8::lossy(bytes);
+  }
   std::string text;
   if (const auto status = sp_->Decode(std::vector<int>(ids.begin(), ids.end()), &text);
       !status.ok())
@@ -173,7 +182,24 @@ bool Tokenizer::is_eos(int32_t id) const {
 
 std::string Tokenizer::piece(int32_t id) const {
   check_id(id);
-  return sp_->IdToPiece(id);
+  return bpe_ ? bpe_->spelling(id) : sp_->IdToPiece(id);
+}
+
+std::string Tokenizer::token_text(int32_t id) const {
+  std::string p = piece(id);
+  if (kind(id) == Kind::kControl) return p;
+  if (bpe_) return bpe_->bytes(id);
+  if (kind(id) == Kind::kByte) return std::string(1, char(byte_value(id)));
+  std::string out;
+  for (size_t i = 0; i < p.size();) {
+    if (p.compare(i, kSpaceSymbol.size(), kSpaceSymbol) == 0) {
+      out += ' ';
+      i += kSpaceSymbol.size();
+    } else {
+      out += p[i++];
+    }
+  }
+  return out;
 }
 
 bool Tokenizer::is_control(int32_t id) const {
@@ -190,12 +216,21 @@ size_t StreamDecoder::unfinished_tail() const {
   size_t run = 0;
   while (run < 3 && run < n && tokenizer_->kind(window_[n - 1 - run]) == Tokenizer::Kind::kByte)
     ++run;
-  return unfinished_suffix(run,
-                           [&](size_t i) { return tokenizer_->byte_value(window_[n - run + i]); });
+  std::string bytes;
+  for (size_t i = n - run; i < n; ++i) bytes += char(tokenizer_->byte_value(window_[i]));
+  return utf8::unfinished_suffix(bytes);
 }
 
 std::string StreamDecoder::push(int32_t id) {
   tokenizer_->check_id(id);
+  if (tokenizer_->bpe_) {
+    // Every token is its bytes: send all but an unfinished character's, which wait for the rest.
+    held_ += tokenizer_->bpe_->bytes(id);
+    const size_t keep = held_.size() - utf8::unfinished_suffix(held_);
+    std::string out = utf8::lossy(std::string_view(held_).substr(0, keep));
+    held_.erase(0, keep);
+    return out;
+  }
   window_.push_back(id);
   const size_t end = window_.size() - unfinished_tail();
   if (end <= done_) return {};
@@ -204,8 +239,7 @@ std::string StreamDecoder::push(int32_t id) {
   // Everything before `done_` decodes the same with more ids after it (a complete character or a
   // non-byte piece ends there), so `text` extends `text_`. The cut is a guard: SentencePiece's
   // output is whole characters.
-  const size_t keep =
-      text.size() - unfinished_suffix(text.size(), [&](size_t i) { return uint8_t(text[i]); });
+  const size_t keep = text.size() - utf8::unfinished_suffix(text);
   std::string out =
       keep > text_.size() ? text.substr(text_.size(), keep - text_.size()) : std::string();
   const bool whole = keep == text.size();
@@ -229,6 +263,11 @@ std::string StreamDecoder::push(int32_t id) {
 }
 
 std::string StreamDecoder::finish() {
+  if (tokenizer_->bpe_) {
+    std::string out = utf8::lossy(held_);  // an unfinished character becomes U+FFFD, as in decode
+    held_.clear();
+    return out;
+  }
   const std::string text = tokenizer_->decode(window_);
   std::string out = text.size() > text_.size() ? text.substr(text_.size()) : std::string();
   window_.clear();
