@@ -265,6 +265,15 @@ TEST(Tokenizer, SpecialIdsFromConfigFiles) {
   expect_error(tmp / "negative", {"config.json", "bos_token_id"});
   make_dir(tmp / "json", {{"generation_config.json", "{not json"}});
   expect_error(tmp / "json", {"generation_config.json", "invalid JSON"});
+
+  // tokenizer_config.json's add_bos_token decides whether BOS goes first, as in transformers.
+  EXPECT_TRUE(none.adds_bos());  // SentencePiece with a BOS
+  make_dir(tmp / "nobos", {{"tokenizer_config.json", R"({"add_bos_token": false})"}});
+  const Tokenizer nobos(tmp / "nobos");
+  EXPECT_FALSE(nobos.adds_bos());
+  EXPECT_EQ(nobos.bos_id(), demo.bos_id());  // still known, for templates that ask for it
+  make_dir(tmp / "badbos", {{"tokenizer_config.json", R"({"add_bos_token": "yes"})"}});
+  expect_error(tmp / "badbos", {"tokenizer_config.json", "add_bos_token", "\"yes\""});
 }
 
 // --- streaming
@@ -483,6 +492,15 @@ TEST(ByteLevelBpe, TokensReadAsTheirBytesAndSpecialsAsControl) {
   EXPECT_THROW(tok.decode(std::vector<int32_t>{964}), Error);
   // Special ids from config.json override the template's BOS; EOS comes only from there.
   EXPECT_TRUE(tok.eos_ids().empty());
+  write_text(tmp / "tokenizer_config.json", R"({"add_bos_token": false})");
+  EXPECT_FALSE(Tokenizer(tmp.path()).adds_bos());
+  fs::remove(tmp / "tokenizer_config.json");
+  // Qwen2's configuration has no BOS: asking for one is an error naming the file.
+  TempDir qwen;
+  write_bpe(qwen.path(), bpe_json("qwen2"));
+  EXPECT_FALSE(Tokenizer(qwen.path()).adds_bos());
+  write_text(qwen / "tokenizer_config.json", R"({"add_bos_token": true})");
+  expect_error(qwen.path(), {"tokenizer_config.json", "add_bos_token is true", "no BOS id"});
   write_text(tmp / "config.json", R"({"bos_token_id": 959, "eos_token_id": [962, 959]})");
   const Tokenizer configured(tmp.path());
   EXPECT_EQ(configured.bos_id(), 959);

@@ -40,8 +40,9 @@ class Tokenizer {
   std::string decode(std::span<const int32_t> ids) const;
 
   int32_t bos_id() const { return bos_id_; }  // -1 if there is none
-  // Whether the checkpoint's own tokenizer puts BOS before a text: SentencePiece when it has one;
-  // tokenizer.json when its post-processor does (Llama 3 yes, Qwen2 no).
+  // Whether the checkpoint's own tokenizer puts BOS before a text: tokenizer_config.json's
+  // add_bos_token where set; otherwise SentencePiece when it has a BOS, tokenizer.json when its
+  // post-processor puts one first (Llama 3 yes, Qwen2 no).
   bool adds_bos() const { return adds_bos_; }
   // Every id that ends generation (generation_config.json may list several); first is the primary.
   const std::vector<int32_t>& eos_ids() const { return eos_ids_; }

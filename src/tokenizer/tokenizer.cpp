@@ -123,8 +123,22 @@ Tokenizer::Tokenizer(const fs::path& checkpoint_dir) : model_path_(checkpoint_di
     fail(special.bos_file.string(), ": bos_token_id ", *special.bos,
          " is outside the tokenizer's vocabulary of ", size, " ids");
   bos_id_ = special.bos ? *special.bos : own_bos;
-  // SentencePiece puts BOS first whenever it has one; tokenizer.json when its template says so.
+  // SentencePiece puts BOS first whenever it has one; tokenizer.json when its template says so;
+  // tokenizer_config.json's add_bos_token, where it is set, decides (as in transformers).
   adds_bos_ = bpe_ ? !bpe_->prefix().empty() : bos_id_ >= 0;
+  if (const fs::path tc = checkpoint_dir / "tokenizer_config.json"; fs::exists(tc, ec)) {
+    const json config = read_json_file(tc);
+    if (config.is_object() && config.contains("add_bos_token") &&
+        !config["add_bos_token"].is_null()) {
+      if (!config["add_bos_token"].is_boolean())
+        fail(tc.string(), ": add_bos_token must be true or false, got ",
+             config["add_bos_token"].dump());
+      adds_bos_ = config["add_bos_token"].get<bool>();
+      if (adds_bos_ && bos_id_ < 0)
+        fail(tc.string(), ": add_bos_token is true but the tokenizer has no BOS id (set bos_token_id "
+                          "in config.json)");
+    }
+  }
   if (!special.eos && own_eos >= 0) special.eos = std::vector<int32_t>{own_eos};
   for (const int32_t id : special.eos.value_or(std::vector<int32_t>{})) {
     if (!valid_id(id))
