@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <ctime>
 #include <fstream>
 #include <thread>
 
@@ -184,6 +185,75 @@ TEST(ChatTemplate, DetectsKnownFamiliesAndFallsBack) {
   EXPECT_EQ(ChatTemplate(ChatFamily::kMistral).render({{"user", "U"}})[0].text, "[INST] U [/INST]");
   EXPECT_EQ(ChatTemplate().render({{"user", "U"}})[0].text, "User: U\n\nAssistant:");
   EXPECT_THROW(ChatTemplate().render({{"tool", "x"}}), Error);
+}
+
+// What templates of released families write beyond the turns, read from the template itself.
+TEST(ChatTemplate, DefaultSystemMessageAndLlama31SystemHeader) {
+  // ChatML with a fixed system message for conversations without one (Qwen2 / Qwen2.5 write it
+  // this way; the message text here is ours). The role is joined from a variable elsewhere: only a
+  // literal counts.
+  const std::string qwen =
+      "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + "
+      "messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou "
+      "are a careful assistant.<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}"
+      "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+      "{%- endfor %}";
+  const auto chatml = ChatTemplate::detect(qwen);
+  EXPECT_EQ(chatml.family(), ChatFamily::kChatML);
+  EXPECT_EQ(chatml.render({{"user", "hi"}})[0].text,
+            "<|im_start|>system\nYou are a careful assistant.<|im_end|>\n<|im_start|>user\nhi"
+            "<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(chatml.render({{"system", "S"}, {"user", "hi"}})[0].text,
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>"
+            "assistant\n");
+  // A template written with raw newlines inside its literals reads the same.
+  EXPECT_EQ(ChatTemplate::detect("{{ '<|im_start|>system\nRaw.<|im_end|>\n' }}")
+                .render({{"user", "u"}})[0]
+                .text,
+            "<|im_start|>system\nRaw.<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>"
+            "assistant\n");
+  EXPECT_EQ(ChatTemplate::detect("{{'<|im_start|>' + m['role'] + '\\n'}}")
+                .render({{"user", "hi"}})[0]
+                .text,
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+
+  // Llama 3.1: a system block with the knowledge date and its default date first, always; the
+  // first system message (trimmed) goes inside it.
+  const std::string llama31 =
+      "{%- if not date_string is defined %}{%- set date_string = \"26 Jul 2024\" %}{%- endif %}"
+      "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}"
+      "{{- \"Cutting Knowledge Date: December 2023\\n\" }}"
+      "{{- \"Today Date: \" + date_string + \"\\n\\n\" }}";
+  const auto l31 = ChatTemplate::detect(llama31);
+  EXPECT_EQ(l31.family(), ChatFamily::kLlama3);
+  EXPECT_EQ(l31.render({{"system", " Be brief. "}, {"user", "hi"}})[0].text,
+            "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
+            "2023\nToday Date: 26 Jul 2024\n\nBe brief.<|eot_id|><|start_header_id|>user"
+            "<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+  EXPECT_EQ(l31.render({{"user", "hi"}})[0].text,
+            "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
+            "2023\nToday Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user"
+            "<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+  // Llama 3.2 dates it today (strftime_now("%d %b %Y")).
+  const auto l32 = ChatTemplate::detect(
+      "{%- if strftime_now is defined %}{%- set date_string = strftime_now(\"%d %b %Y\") %}"
+      "{%- else %}{%- set date_string = \"26 Jul 2024\" %}{%- endif %}"
+      "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}"
+      "{{- \"Cutting Knowledge Date: December 2023\\n\" }}");
+  const auto date = [] {
+    const std::time_t now = std::time(nullptr);
+    std::tm local{};
+    localtime_r(&now, &local);
+    char buf[32];
+    std::strftime(buf, sizeof buf, "%d %b %Y", &local);
+    return std::string(buf);
+  };
+  const std::string before = date();
+  const std::string text = l32.render({{"user", "hi"}})[0].text;
+  const std::string after = date();
+  EXPECT_TRUE(text.find("Today Date: " + before + "\n") != std::string::npos ||
+              text.find("Today Date: " + after + "\n") != std::string::npos)
+      << text;
 }
 
 // ---------------------------------------------------------------------------------------------

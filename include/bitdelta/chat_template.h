@@ -40,13 +40,19 @@ class ChatTemplate {
   explicit ChatTemplate(ChatFamily family) : family_(family) {}
 
   // Recognizes a Jinja template by its markers; `known` is false (and the family kPlain) when none
-  // matches. An empty template is kPlain and known.
+  // matches. An empty template is kPlain and known. Literals the family's renderer needs are read
+  // from the template too: ChatML's default system message (Qwen2: "You are a helpful
+  // assistant."), written when a conversation has none; Llama 3.1+'s system header ("Cutting
+  // Knowledge Date: ..." and "Today Date: ...", today's date when the template calls strftime_now,
+  // else its default date_string), written before every conversation.
   static ChatTemplate detect(const std::string& jinja, bool* known = nullptr);
   // Reads `chat_template` from dir/tokenizer_config.json (a string, or a list of {name, template}
   // where "default" is used). A missing file or field gives kPlain. Throws Error on malformed JSON.
   static ChatTemplate from_checkpoint(const std::filesystem::path& dir, bool* known = nullptr);
 
   ChatFamily family() const { return family_; }
+  // What detect() read beyond the family, for logs ("" when nothing).
+  std::string details() const;
 
   // The prompt for `messages` followed by the start of an assistant turn. The first segment is
   // always preceded by BOS (the tokenizer adds it, as Hugging Face's add_bos_token does), so the
@@ -55,6 +61,9 @@ class ChatTemplate {
 
  private:
   ChatFamily family_ = ChatFamily::kPlain;
+  std::string default_system_;  // ChatML: the system message of a conversation without one
+  std::string knowledge_date_;  // Llama 3.1+: "December 2023" ("": no system header)
+  std::string today_;           // Llama 3.1+: the date; "" = today's, as strftime_now gives it
 };
 
 }  // namespace bitdelta

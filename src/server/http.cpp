@@ -71,6 +71,9 @@ Server::Server(Engine& engine, ServerOptions options)
         stderr,
         "[serve] the chat template in %s is not a family we know; chat uses the plain format\n",
         (engine.base_dir() / "tokenizer_config.json").c_str());
+  else if (const std::string d = ctx.chat_template.details(); !d.empty())
+    std::fprintf(stderr, "[serve] chat template: %s, %s\n", to_string(ctx.chat_template.family()),
+                 d.c_str());
   if (!ctx.options.variants_dir.empty()) {
     std::error_code ec;
     ctx.variants_root = std::filesystem::canonical(ctx.options.variants_dir, ec);
