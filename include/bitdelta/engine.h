@@ -105,6 +105,9 @@ struct EngineMetrics {
   std::vector<PerVariant> variants;
   size_t queue_length = 0, running = 0;
   uint64_t steps = 0, mixed_steps = 0;  // steps, and steps whose rows came from 2+ variants
+  // Prompt tokens run through the model, and those a sequence took from another's prefill of the
+  // same prompt (n choices, identical requests admitted together).
+  uint64_t prompt_tokens_run = 0, prompt_tokens_shared = 0;
   uint64_t max_variants_in_step = 0;
   uint64_t cache_hits = 0, cache_misses = 0, cache_loads = 0, cache_load_failures = 0, cache_evictions = 0;
   uint64_t cache_host_hits = 0;  // device loads served from the pinned host tier (no file read)

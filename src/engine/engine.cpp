@@ -46,6 +46,10 @@ struct Request : RequestHandle, std::enable_shared_from_this<Request> {
   std::unique_ptr<Sequence> seq;
   int model_id = -1;
   size_t prefilled = 0;  // prompt tokens fed
+  // A running request of the same model and prompt whose prefill this one takes: it waits, then
+  // starts from a copy of that sequence (Model::fork_sequence) and samples its own first token
+  // from the same logits. n choices of one prompt prefill it once.
+  std::shared_ptr<Request> leader;
   std::unique_ptr<Sampler> sampler;
   std::unique_ptr<StopChecker> checker;
   std::unique_ptr<StreamDecoder> decoder;
@@ -411,7 +415,8 @@ struct Engine::Impl {
     }
     for (auto& rp : running) {
       Request& r = *rp;
-      if (r.prefilled >= r.req.prompt.size() || budget == 0) continue;
+      if (r.leader && !r.leader->seq) r.leader.reset();  // it was cancelled: prefill alone
+      if (r.leader || r.prefilled >= r.req.prompt.size() || budget == 0) continue;
       const size_t n = std::min(budget, r.req.prompt.size() - r.prefilled);
       uses.push_back({&r, rows.size(), n, false});
       for (size_t i = 0; i < n; ++i) {
@@ -441,6 +446,8 @@ struct Engine::Impl {
 
     ++m.steps;
     if (distinct > 1) ++m.mixed_steps;
+    for (const auto& u : uses)
+      if (!u.decode) m.prompt_tokens_run += u.count;
     m.max_variants_in_step = std::max<uint64_t>(m.max_variants_in_step, distinct);
     const size_t V = model.config().vocab_size;
     size_t at = 0;  // index into logits rows (only rows with want_logits have one)
@@ -472,9 +479,13 @@ struct Engine::Impl {
           });
         }
         at += u.count;
-        if (finished_prompt) emit_token(r, &logits[(at - 1) * V], after);
+        if (finished_prompt) {
+          emit_token(r, &logits[(at - 1) * V], after);
+          start_followers(r, &logits[(at - 1) * V], after);
+        }
       } else if (finished_prompt) {
         emit_token(r, &logits[at * V], after);
+        start_followers(r, &logits[at * V], after);
         ++at;
       }
     }
@@ -497,6 +508,31 @@ struct Engine::Impl {
     return true;
   }
 
+  // The requests waiting for `leader`'s prompt, now that it is in: each continues from a copy of
+  // its sequence, with its prompt logprobs if asked for, and samples its first token from `logits`.
+  void start_followers(Request& leader, const float* logits,
+                       std::vector<std::function<void()>>& after) {
+    for (auto& fp : running) {
+      Request& f = *fp;
+      if (f.leader.get() != &leader) continue;
+      f.leader.reset();
+      f.seq = std::make_unique<Sequence>(model.fork_sequence(*leader.seq));
+      f.prefilled = f.req.prompt.size();
+      m.prompt_tokens_shared += f.req.prompt.size();
+      if (f.req.prompt_logprobs) {
+        f.prompt_lp = leader.prompt_lp;
+        auto self = f.shared_from_this();
+        auto values = f.prompt_lp;
+        after.push_back([self, values] {
+          self->deliver([&] {
+            if (self->cb.on_prompt_logprobs) self->cb.on_prompt_logprobs(values);
+          });
+        });
+      }
+      emit_token(f, logits, after);
+    }
+  }
+
   void admit(std::vector<std::function<void()>>& after) {
     while (!queued.empty() && running.size() < opt.max_running) {
       auto r = queued.front();
@@ -516,6 +552,14 @@ struct Engine::Impl {
         r->decoder = std::make_unique<StreamDecoder>(tokenizer);
         r->history = r->req.prompt;
         r->first_step = Clock::now();
+        for (const auto& other : running)
+          if (!other->leader && other->model_id == r->model_id &&
+              other->prefilled < other->req.prompt.size() &&
+              other->req.prompt_logprobs == r->req.prompt_logprobs &&
+              other->req.prompt == r->req.prompt) {
+            r->leader = other;
+            break;
+          }
         running.push_back(r);
       } catch (const std::exception& e) {
         const std::string msg = e.what();

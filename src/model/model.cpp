@@ -258,6 +258,16 @@ Sequence Model::new_sequence(int variant) const {
   return s;
 }
 
+Sequence Model::fork_sequence(const Sequence& sequence) const {
+  Sequence copy;
+  copy.variant = sequence.variant;
+  copy.length = sequence.length;
+  copy.keys = sequence.keys;
+  copy.values = sequence.values;
+  if (sequence.device_kv) copy.device_kv = device_->clone_kv(*sequence.device_kv);
+  return copy;
+}
+
 namespace {
 
 // Runs one linear over rows whose variants may use different weight tensors (a variant that

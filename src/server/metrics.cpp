@@ -127,6 +127,11 @@ std::string render_metrics(const EngineMetrics& m, const std::vector<VariantStat
          "Steps whose rows came from two or more variants.", double(m.mixed_steps));
   scalar("bitdelta_max_variants_in_step", "gauge", "Most distinct variants seen in one step.",
          double(m.max_variants_in_step));
+  scalar("bitdelta_prompt_tokens_run_total", "counter", "Prompt tokens run through the model.",
+         double(m.prompt_tokens_run));
+  scalar("bitdelta_prompt_tokens_shared_total", "counter",
+         "Prompt tokens taken from another sequence's prefill of the same prompt.",
+         double(m.prompt_tokens_shared));
   scalar("bitdelta_delta_cache_hits_total", "counter", "Requests whose delta was resident.",
          double(m.cache_hits));
   scalar("bitdelta_delta_cache_misses_total", "counter", "Requests whose delta was not resident.",

@@ -315,6 +315,38 @@ TEST_F(GpuModel, DecodeStepsReplayedAsGraphsMatchStepsLaunchedOneByOne) {
               (unsigned long long)st.captured, (unsigned long long)st.replayed, worst);
 }
 
+// A forked sequence (Model::fork_sequence: its cache copied on the device) continues like a
+// sequence that prefilled the same prompt itself, apart from the one it was copied from, also past
+// the cache's first capacity (16 positions), where it grows.
+TEST_F(GpuModel, ForkedSequenceContinuesLikeOneThatPrefilledItsPrompt) {
+  Model model(kDemo / "base", on_cuda());
+  const int v = model.add_variant("coder", delta("coder", AlphaMode::Row));
+  const size_t V = model.config().vocab_size;
+  const std::vector<int32_t> prompt{1, 450, 4996, 17354, 1701, 29916};
+  Sequence a = model.new_sequence(v), c = model.new_sequence(v);
+  for (Sequence* s : {&a, &c}) {
+    std::vector<ForwardRow> rows;
+    for (size_t i = 0; i < prompt.size(); ++i)
+      rows.push_back({s, prompt[i], i + 1 == prompt.size()});
+    model.forward(rows);
+  }
+  Sequence b = model.fork_sequence(a);
+  EXPECT_EQ(b.length, a.length);
+  double worst = 0;
+  for (size_t step = 0; step < 14; ++step) {
+    // a is fed other tokens than b and c: b must not see them.
+    const int32_t t = int32_t(100 + 37 * step), other = int32_t(2000 + 11 * step);
+    const std::vector<ForwardRow> rows{{&a, other, true}, {&b, t, true}, {&c, t, true}};
+    const auto logits = model.forward(rows);
+    for (size_t i = 0; i < V; ++i) {
+      const float got = logits[V + i], want = logits[2 * V + i];
+      worst = std::max(worst, double(std::abs(got - want)));
+      ASSERT_NEAR(got, want, 1e-3 * (1 + std::abs(want))) << "step " << step << ", logit " << i;
+    }
+  }
+  std::printf("  worst |forked - prefilled| logit %.2e\n", worst);
+}
+
 // The engine on the device with room for one delta on the GPU: alternating requests evict and
 // reload, the second load of a delta comes from the pinned host tier, and every answer equals the
 // same greedy generation run directly on a device model.

@@ -862,6 +862,21 @@ DeviceMemory DeviceModel::memory() const {
   return m;
 }
 
+std::shared_ptr<DeviceKV> DeviceModel::clone_kv(const DeviceKV& kv) const {
+  const auto& m = *impl_;
+  BITDELTA_CUDA_CHECK(cudaSetDevice(m.ctx->device));
+  // The whole buffer: each layer's keys and values for `capacity` positions (as forward lays it
+  // out).
+  const size_t bytes = kv.capacity * m.c.layers * 2 * m.c.kv_heads * m.c.head_dim * sizeof(bf16);
+  auto copy = std::make_shared<DeviceKV>();
+  copy->ctx = m.ctx;
+  copy->data = static_cast<bf16*>(device_alloc(bytes, m.ctx->stream, "a sequence's KV cache"));
+  copy->capacity = kv.capacity;
+  BITDELTA_CUDA_CHECK(
+      cudaMemcpyAsync(copy->data, kv.data, bytes, cudaMemcpyDeviceToDevice, m.ctx->stream));
+  return copy;
+}
+
 std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   auto& m = *impl_;
   const auto& c = m.c;

@@ -80,6 +80,9 @@ class DeviceModel {
   // CUDA graph, and later steps with those launches replay it: the positions and tokens are in the
   // row descriptors, which every step copies in before its launches.
   std::vector<float> forward(std::span<const DeviceRow> rows);
+  // A copy of a sequence's cache, made on the device's stream after the steps before it: the
+  // cache of a sequence that continues from another's prompt (Model::fork_sequence).
+  std::shared_ptr<DeviceKV> clone_kv(const DeviceKV& kv) const;
   GraphStats graph_stats() const;
 
   DeviceMemory memory() const;

@@ -23,6 +23,9 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights&, const 
 void DeviceModel::install(int, std::shared_ptr<DeviceVariant>) { fail(kWhy); }
 void DeviceModel::remove(int) {}
 std::vector<float> DeviceModel::forward(std::span<const DeviceRow>) { fail(kWhy); }
+std::shared_ptr<DeviceKV> DeviceModel::clone_kv(const DeviceKV&) const {
+  fail(kWhy);
+}
 GraphStats DeviceModel::graph_stats() const { return {}; }
 DeviceMemory DeviceModel::memory() const { return {}; }
 std::string DeviceModel::device_name() const { return ""; }
