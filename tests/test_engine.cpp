@@ -129,21 +129,18 @@ TEST_F(EngineTest, MixedVariantBatchesGiveTheTokensOfEachRequestAlone) {
 // from a copy of its cache and sample their own tokens. Greedy, each one's tokens are those of the
 // request alone (sampled ones are compared in
 // ServerTest.ChoicesAndPromptListsAreTheirSingleRequests: here a batch's rounding may flip a draw
-// near a tie, sharing or not); with seeds, the followers draw apart. The metrics count every prompt
-// token once, run or taken. The first request's prompt is fed 4 rows a step (max_batch_tokens), so
-// the rest arrive while it is still in its prompt; on a loaded machine they may not, and the round
-// is sent again (up to five times).
+// near a tie, sharing or not); with seeds, the followers draw apart. submit_all hands them to the
+// scheduler together, so which ones share is certain; it takes all or none.
 TEST_F(EngineTest, RequestsOfOnePromptPrefillItOnce) {
   EngineOptions opt;
   opt.threads = 2;
-  opt.max_batch_tokens = 4;
+  opt.max_queue = 8;
   Engine engine(kDemo / "base", opt);
   engine.add_variant("writer", delta("writer"));
   const Tokenizer& tok = engine.tokenizer();
   const auto prompt = tok.encode(
       "Once upon a time, in a village by the sea, there lived an old fisherman who", true);
   const auto other = tok.encode("The sea", true);
-  ASSERT_GT(prompt.size(), 12u);
   Model model(kDemo / "base", 2);
   const int id = model.add_variant("writer", delta("writer"));
   StopConditions stop;
@@ -153,43 +150,53 @@ TEST_F(EngineTest, RequestsOfOnePromptPrefillItOnce) {
   greedy.temperature = 0;
   const auto alone = generate(model, tok, id, prompt, greedy, stop);
   const auto alone_other = generate(model, tok, id, other, greedy, stop);
-  uint64_t shared = 0, requests = 0;
-  for (int round = 0; round < 5 && shared == 0; ++round) {
-    // Four of one prompt, one of them also asking for prompt logprobs (it cannot share with the
-    // others' prefill, which computes none), one of another prompt, and three of the first
-    // sampled with seeds.
-    std::vector<Collector> out(8);
-    std::vector<std::vector<float>> prompt_lp(8);
-    std::vector<std::shared_ptr<RequestHandle>> handles;
-    for (size_t i = 0; i < out.size(); ++i) {
-      GenerationRequest r;
-      r.model = "writer";
-      r.prompt = i == 4 ? other : prompt;
-      r.sampling.temperature = i < 5 ? 0.0f : 0.9f;
-      r.sampling.seed = 100 + i;
-      r.stop.max_tokens = 12;
-      r.stop_at_eos = true;
-      r.prompt_logprobs = i == 3;
-      auto cb = out[i].callbacks();
-      cb.on_prompt_logprobs = [&prompt_lp, i](const std::vector<float>& lp) { prompt_lp[i] = lp; };
-      handles.push_back(engine.submit(r, cb));
-    }
-    for (auto& c : out) ASSERT_TRUE(c.wait());
-    for (size_t i = 0; i < out.size(); ++i) ASSERT_TRUE(out[i].error.empty()) << out[i].error;
-    for (size_t i = 0; i < 5; ++i) {
-      EXPECT_EQ(out[i].tokens, i == 4 ? alone_other.tokens : alone.tokens) << "request " << i;
-      EXPECT_EQ(out[i].text, i == 4 ? alone_other.text : alone.text) << "request " << i;
-    }
-    EXPECT_FALSE(out[5].tokens == out[6].tokens && out[6].tokens == out[7].tokens);
-    EXPECT_EQ(prompt_lp[3].size(), prompt.size() - 1);
-    const auto m = engine.metrics();
-    shared = m.prompt_tokens_shared;
-    requests += 1;
-    EXPECT_EQ(m.prompt_tokens_run + m.prompt_tokens_shared,
-              requests * (7 * prompt.size() + other.size()));
+
+  // Four greedy of one prompt, one of them also asking for prompt logprobs (it cannot take the
+  // others' prefill, which computes none), one of another prompt, and three of the first prompt
+  // sampled with seeds.
+  std::vector<Collector> out(8);
+  std::vector<std::vector<float>> prompt_lp(8);
+  std::vector<GenerationRequest> requests;
+  std::vector<GenerationCallbacks> callbacks;
+  for (size_t i = 0; i < out.size(); ++i) {
+    GenerationRequest r;
+    r.model = "writer";
+    r.prompt = i == 4 ? other : prompt;
+    r.sampling.temperature = i < 5 ? 0.0f : 0.9f;
+    r.sampling.seed = 100 + i;
+    r.stop.max_tokens = 12;
+    r.prompt_logprobs = i == 3;
+    requests.push_back(r);
+    auto cb = out[i].callbacks();
+    cb.on_prompt_logprobs = [&prompt_lp, i](const std::vector<float>& lp) { prompt_lp[i] = lp; };
+    callbacks.push_back(cb);
   }
-  EXPECT_GT(shared, 0u) << "five rounds and no request shared another's prefill";
-  EXPECT_EQ(shared % prompt.size(), 0u);
+  // One more than the queue takes: refused whole, nothing runs.
+  auto too_many = requests;
+  too_many.push_back(requests[0]);
+  auto more_callbacks = callbacks;
+  more_callbacks.push_back(callbacks[0]);
+  EXPECT_THROW(engine.submit_all(too_many, more_callbacks), EngineError);
+  // One bad request refuses them all.
+  auto bad = requests;
+  bad[2].prompt = {};
+  EXPECT_THROW(engine.submit_all(bad, callbacks), EngineError);
+  EXPECT_EQ(engine.metrics().prompt_tokens_run, 0u);
+
+  const auto handles = engine.submit_all(requests, callbacks);
+  ASSERT_EQ(handles.size(), out.size());
+  for (auto& c : out) ASSERT_TRUE(c.wait());
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_TRUE(out[i].error.empty()) << out[i].error;
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(out[i].tokens, i == 4 ? alone_other.tokens : alone.tokens) << "request " << i;
+    EXPECT_EQ(out[i].text, i == 4 ? alone_other.text : alone.text) << "request " << i;
+  }
+  EXPECT_FALSE(out[5].tokens == out[6].tokens && out[6].tokens == out[7].tokens);
+  EXPECT_EQ(prompt_lp[3].size(), prompt.size() - 1);
+  // Requests 0 and 3 ran the prompt, 4 its own; 1, 2, 5, 6 and 7 took request 0's.
+  const auto m = engine.metrics();
+  EXPECT_EQ(m.prompt_tokens_run, 2 * prompt.size() + other.size());
+  EXPECT_EQ(m.prompt_tokens_shared, 5 * prompt.size());
 }
 
 TEST_F(EngineTest, TwentyRequestsToAColdVariantCauseOneLoad) {

@@ -672,6 +672,7 @@ TEST_F(ServerTest, ChoicesAndPromptListsAreTheirSingleRequests) {
 
   json req = one;
   req["n"] = 3;
+  const double shared_before = metric(metrics(c), "bitdelta_prompt_tokens_shared_total");
   const auto whole = post(c, "/v1/completions", req);
   ASSERT_EQ(whole.status, 200) << whole.raw;
   ASSERT_EQ(whole.body["choices"].size(), 3u);
@@ -684,6 +685,9 @@ TEST_F(ServerTest, ChoicesAndPromptListsAreTheirSingleRequests) {
   const size_t dog_tokens = tok.encode("lazy dog", true).size();
   EXPECT_EQ(whole.body["usage"]["prompt_tokens"], fox_tokens);  // once, not once per choice
   EXPECT_EQ(whole.body["usage"]["completion_tokens"], 30);
+  // ... and prefilled once: the other two choices took it.
+  EXPECT_EQ(metric(metrics(c), "bitdelta_prompt_tokens_shared_total") - shared_before,
+            2.0 * double(fox_tokens));
 
   // Streamed: each index's chunks join to its text, each ends once, usage covers all, then [DONE].
   const auto events = streamed_events(c, "/v1/completions", req);

@@ -137,6 +137,10 @@ class Engine {
 
   // Throws EngineError (UnknownModel, QueueFull, BadRequest) before anything starts.
   std::shared_ptr<RequestHandle> submit(GenerationRequest request, GenerationCallbacks callbacks);
+  // Several requests at once, all or none (one error refuses them all): they reach the scheduler
+  // together, so those of one prompt share its prefill (n choices of a request).
+  std::vector<std::shared_ptr<RequestHandle>> submit_all(
+      std::vector<GenerationRequest> requests, std::vector<GenerationCallbacks> callbacks);
 
   EngineMetrics metrics() const;
 

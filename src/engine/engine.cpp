@@ -709,45 +709,68 @@ std::vector<VariantStatus> Engine::variants() const {
 }
 
 std::shared_ptr<RequestHandle> Engine::submit(GenerationRequest request, GenerationCallbacks callbacks) {
+  std::vector<GenerationRequest> requests;
+  std::vector<GenerationCallbacks> cbs;
+  requests.push_back(std::move(request));
+  cbs.push_back(std::move(callbacks));
+  return submit_all(std::move(requests), std::move(cbs)).front();
+}
+
+std::vector<std::shared_ptr<RequestHandle>> Engine::submit_all(
+    std::vector<GenerationRequest> requests, std::vector<GenerationCallbacks> callbacks) {
   using K = EngineError::Kind;
   const auto& c = impl_->model.config();
-  if (request.prompt.empty()) throw EngineError(K::BadRequest, "the prompt is empty");
-  for (int32_t t : request.prompt)
-    if (t < 0 || uint64_t(t) >= c.vocab_size)
-      throw EngineError(K::BadRequest, str("prompt token id ", t, " is outside the vocabulary (", c.vocab_size, ")"));
-  if (request.prompt.size() >= c.max_position)
-    throw EngineError(K::BadRequest, str("the prompt has ", request.prompt.size(),
-                                         " tokens; this model takes at most ", c.max_position - 1));
-  if (request.top_logprobs > 20) throw EngineError(K::BadRequest, "top_logprobs must be at most 20");
-  try {
-    request.sampling.validate();
-    StopChecker check(request.stop);  // validates stop strings
-  } catch (const Error& e) {
-    throw EngineError(K::BadRequest, e.what());
+  if (requests.empty() || requests.size() != callbacks.size())
+    throw EngineError(K::BadRequest, "submit_all: one set of callbacks per request");
+  std::vector<std::shared_ptr<Request>> made;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    GenerationRequest& request = requests[i];
+    if (request.prompt.empty()) throw EngineError(K::BadRequest, "the prompt is empty");
+    for (int32_t t : request.prompt)
+      if (t < 0 || uint64_t(t) >= c.vocab_size)
+        throw EngineError(K::BadRequest, str("prompt token id ", t, " is outside the vocabulary (",
+                                             c.vocab_size, ")"));
+    if (request.prompt.size() >= c.max_position)
+      throw EngineError(K::BadRequest,
+                        str("the prompt has ", request.prompt.size(),
+                            " tokens; this model takes at most ", c.max_position - 1));
+    if (request.top_logprobs > 20)
+      throw EngineError(K::BadRequest, "top_logprobs must be at most 20");
+    try {
+      request.sampling.validate();
+      StopChecker check(request.stop);  // validates stop strings
+    } catch (const Error& e) {
+      throw EngineError(K::BadRequest, e.what());
+    }
+    auto r = std::make_shared<Request>();
+    r->req = std::move(request);
+    r->cb = std::move(callbacks[i]);
+    r->variant = r->req.model;
+    r->submitted = Clock::now();
+    Impl* impl = impl_.get();
+    r->wake = [impl] { impl->cv.notify_all(); };
+    made.push_back(std::move(r));
   }
-  auto r = std::make_shared<Request>();
-  r->req = std::move(request);
-  r->cb = std::move(callbacks);
-  r->variant = r->req.model;
-  r->submitted = Clock::now();
-  Impl* impl = impl_.get();
-  r->wake = [impl] { impl->cv.notify_all(); };
   std::lock_guard lock(impl_->mutex);
-  if (r->variant != impl_->opt.base_name && !impl_->variants.count(r->variant))
-    throw EngineError(K::UnknownModel, "model '" + r->variant + "' does not exist");
+  for (const auto& r : made)
+    if (r->variant != impl_->opt.base_name && !impl_->variants.count(r->variant))
+      throw EngineError(K::UnknownModel, "model '" + r->variant + "' does not exist");
   size_t waiting = impl_->incoming.size() + impl_->queued.size();
   for (const auto& [_, v] : impl_->variants) waiting += v.waiting_load.size();
-  if (waiting >= impl_->opt.max_queue)
-    throw EngineError(K::QueueFull, str("the queue is full (", impl_->opt.max_queue, " requests waiting)"));
-  auto& pv = impl_->per_variant[r->variant];
-  ++pv.requests;
-  if (auto it = impl_->variants.find(r->variant); it != impl_->variants.end()) {
-    impl_->note_request(it->second, r->submitted);
-    ++it->second.active;
+  if (waiting + made.size() > impl_->opt.max_queue)
+    throw EngineError(K::QueueFull, str("the queue is full (", impl_->opt.max_queue,
+                                        " requests waiting at most, ", waiting, " now)"));
+  for (const auto& r : made) {
+    auto& pv = impl_->per_variant[r->variant];
+    ++pv.requests;
+    if (auto it = impl_->variants.find(r->variant); it != impl_->variants.end()) {
+      impl_->note_request(it->second, r->submitted);
+      ++it->second.active;
+    }
+    impl_->incoming.push_back(r);
   }
-  impl_->incoming.push_back(r);
   impl_->cv.notify_all();
-  return r;
+  return {made.begin(), made.end()};
 }
 
 EngineMetrics Engine::metrics() const {

@@ -316,9 +316,14 @@ void handle_generation(Context& ctx, const httplib::Request& req, httplib::Respo
     const size_t n = x->request.sequences();
     x->started.assign(n, 0);
     x->reasons.assign(n, FinishReason::kNone);
-    // All or nothing: a sequence refused (queue full) cancels those already submitted.
-    for (size_t s = 0; s < n; ++s)
-      x->handles.push_back(ctx.engine.submit(x->request.sequence(s), callbacks_for(x->mailbox, s)));
+    // All or nothing, and together: sequences of one prompt prefill it once.
+    std::vector<GenerationRequest> sequences;
+    std::vector<GenerationCallbacks> callbacks;
+    for (size_t s = 0; s < n; ++s) {
+      sequences.push_back(x->request.sequence(s));
+      callbacks.push_back(callbacks_for(x->mailbox, s));
+    }
+    x->handles = ctx.engine.submit_all(std::move(sequences), std::move(callbacks));
   } catch (const ApiError& e) {
     x->stop();
     send_error(ctx, res, x->route, e.status, e.what(), e.code);
