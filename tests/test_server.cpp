@@ -540,6 +540,10 @@ TEST(ServerBpe, Llama3TokenizerJsonServesChatAndCompletions) {
       joined += e["choices"][0]["delta"]["content"].get<std::string>();
   EXPECT_EQ(joined, whole.body["choices"][0]["message"]["content"]);
 
+  // /tokenize gives the reference's ids.
+  const auto tokenized = post(cl, "/tokenize", json{{"prompt", "Hello world"}});
+  EXPECT_EQ(tokenized.body["tokens"].get<std::vector<int32_t>>(), ids_of("Hello world"));
+
   // Completions with echo: the prompt's tokens are the reference's, BOS first.
   const auto echoed = post(cl, "/v1/completions",
                            json{{"prompt", "Hello world"},
@@ -915,6 +919,58 @@ TEST_F(ServerTest, ErrorsInOpenAIShape) {
   EXPECT_EQ(post(c, "/v1/completions", json{{"prompt", "x"}, {"max_tokens", 2}}).status, 200);
 }
 
+TEST_F(ServerTest, TokenizeAndDetokenize) {
+  auto server = start();
+  auto c = server->client();
+  const Tokenizer tok(family().base);
+  const auto t = post(c, "/tokenize", json{{"prompt", "the quick brown fox"}});
+  ASSERT_EQ(t.status, 200) << t.raw;
+  const auto ids = tok.encode("the quick brown fox", true);
+  EXPECT_EQ(t.body["tokens"].get<std::vector<int32_t>>(), ids);
+  EXPECT_EQ(t.body["count"], ids.size());
+  EXPECT_EQ(t.body["max_model_len"], 256);
+  // Without special tokens: no BOS. With token strings: each token as logprobs show it.
+  const auto plain = post(c, "/tokenize",
+                          json{{"model", "coder"},
+                               {"prompt", "the quick brown fox"},
+                               {"add_special_tokens", false},
+                               {"return_token_strs", true}});
+  ASSERT_EQ(plain.status, 200) << plain.raw;
+  EXPECT_EQ(plain.body["tokens"].get<std::vector<int32_t>>(),
+            tok.encode("the quick brown fox", false));
+  std::string joined;
+  for (const auto& piece : plain.body["token_strs"]) joined += piece.get<std::string>();
+  EXPECT_EQ(joined, " the quick brown fox");  // SentencePiece's leading ▁
+  // Messages: the prompt a chat request runs (the usage it reports).
+  const json messages = {{{"role", "user"}, {"content", "hi"}}};
+  const auto chat_ids = post(c, "/tokenize", json{{"messages", messages}});
+  ASSERT_EQ(chat_ids.status, 200) << chat_ids.raw;
+  EXPECT_EQ(chat_ids.body["tokens"].get<std::vector<int32_t>>(),
+            tok.encode("<|user|>\nhi\n<|assistant|>\n", true));
+  const auto chat =
+      post(c, "/v1/chat/completions", json{{"messages", messages}, {"max_tokens", 1}});
+  EXPECT_EQ(chat.body["usage"]["prompt_tokens"], chat_ids.body["count"]);
+  // Back to text.
+  const auto d = post(c, "/detokenize", json{{"tokens", ids}});
+  ASSERT_EQ(d.status, 200) << d.raw;
+  EXPECT_EQ(d.body["prompt"], "the quick brown fox");
+  // Errors name the field.
+  const auto message = [](const Reply& r) { return r.body["error"]["message"].get<std::string>(); };
+  auto e = post(c, "/detokenize", json{{"tokens", {1, 99999}}});
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(message(e), "tokens[1] (a token id) must be an integer between 0 and 299");
+  e = post(c, "/detokenize", json{{"tokens", "1 2"}});
+  EXPECT_EQ(message(e), "tokens must be a list of token ids");
+  e = post(c, "/tokenize", json{{"prompt", "x"}, {"messages", messages}});
+  EXPECT_EQ(message(e), "give either prompt (text) or messages");
+  e = post(c, "/tokenize", json{{"prompt", {1, 2}}});
+  EXPECT_EQ(message(e), "prompt must be a string");
+  e = post(c, "/tokenize", json{{"model", "nope"}, {"prompt", "x"}});
+  EXPECT_EQ(e.status, 404);
+  e = post(c, "/tokenize", std::string("{\"prompt\": "));
+  EXPECT_EQ(e.status, 400);
+}
+
 TEST_F(ServerTest, ApiKeyRequiredOnV1) {
   auto server = start({"--api-key", "sekrit"});
   auto c = server->client();
@@ -924,6 +980,9 @@ TEST_F(ServerTest, ApiKeyRequiredOnV1) {
   EXPECT_EQ(none.body["error"]["type"], "authentication_error");
   EXPECT_EQ(post(c, "/v1/completions", req, {{"Authorization", "Bearer wrong!"}}).status, 401);
   EXPECT_EQ(post(c, "/v1/completions", req, {{"Authorization", "Bearer sekrit"}}).status, 200);
+  EXPECT_EQ(post(c, "/tokenize", req).status, 401);
+  EXPECT_EQ(post(c, "/detokenize", json{{"tokens", {1}}}).status, 401);
+  EXPECT_EQ(post(c, "/tokenize", req, {{"Authorization", "Bearer sekrit"}}).status, 200);
   auto models = c.Get("/v1/models");
   ASSERT_TRUE(models);
   EXPECT_EQ(models->status, 401);

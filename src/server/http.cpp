@@ -98,7 +98,9 @@ Server::Server(Engine& engine, ServerOptions options)
   http.set_write_timeout(30);
 
   http.set_pre_routing_handler([&ctx](const httplib::Request& req, httplib::Response& res) {
-    if (req.path.rfind("/v1/", 0) == 0 && !authorized(ctx, req)) {
+    const bool guarded =
+        req.path.rfind("/v1/", 0) == 0 || req.path == "/tokenize" || req.path == "/detokenize";
+    if (guarded && !authorized(ctx, req)) {
       server::send_error(ctx, res, "auth", 401,
                          "invalid or missing API key (send Authorization: Bearer <key>)",
                          "invalid_api_key");
@@ -142,6 +144,12 @@ Server::Server(Engine& engine, ServerOptions options)
   http.Post("/v1/variants/unload",
             guard([&ctx](const httplib::Request& req, httplib::Response& res) {
               server::handle_unload(ctx, req, res);
+            }));
+  http.Post("/tokenize", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+              server::handle_tokenize(ctx, req, res);
+            }));
+  http.Post("/detokenize", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
+              server::handle_detokenize(ctx, req, res);
             }));
   http.Get("/health", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
              server::handle_health(ctx, req, res);

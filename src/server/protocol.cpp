@@ -401,6 +401,28 @@ ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelI
   return r;
 }
 
+std::vector<int32_t> parse_tokenize(const json& body, const ModelInfo& model) {
+  const bool has_prompt = present(body, "prompt"), has_messages = present(body, "messages");
+  if (has_prompt == has_messages) bad("give either prompt (text) or messages");
+  ParsedRequest r;
+  if (has_messages) {
+    if (present(body, "add_special_tokens"))
+      bad("add_special_tokens applies to prompt, not messages (their template decides)");
+    parse_messages(body, model, r);
+    return r.prompts.at(0).ids;
+  }
+  if (!body["prompt"].is_string()) bad("prompt must be a string");
+  const bool special = get_bool(body, "add_special_tokens", true);
+  const Tokenizer& tok = *model.tokenizer;
+  return tok.encode(body["prompt"].get<std::string>(), special && tok.adds_bos());
+}
+
+std::vector<int32_t> parse_detokenize(const json& body, const ModelInfo& model) {
+  if (!present(body, "tokens") || !body["tokens"].is_array())
+    bad("tokens must be a list of token ids");
+  return token_ids(*model.tokenizer, body["tokens"], "tokens");
+}
+
 GenerationRequest ParsedRequest::sequence(size_t s) const {
   GenerationRequest g = engine;
   g.prompt = prompts.at(s / best_of).ids;

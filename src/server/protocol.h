@@ -75,6 +75,12 @@ struct ParsedRequest {
 // naming the field ("temperature must be >= 0", "prompt[2] must be a token id ...").
 ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelInfo& model);
 
+// POST /tokenize: {"prompt": text} or {"messages": [...]} (the chat prompt as /v1/chat/completions
+// runs it), with "add_special_tokens" (default true: BOS where the tokenizer puts it; text only).
+// POST /detokenize: {"tokens": [ids]}. Both throw ApiError(400) naming the field.
+std::vector<int32_t> parse_tokenize(const json& body, const ModelInfo& model);
+std::vector<int32_t> parse_detokenize(const json& body, const ModelInfo& model);
+
 // Accumulates one request's output, sequence by sequence (ParsedRequest::sequence), and renders
 // the API objects. Streamed, sequence s is choice s (streaming needs best_of == n). Whole, prompt
 // p's choices are its n sequences with the highest mean token logprob, best first, at indices

@@ -300,16 +300,33 @@ void send_error(Context& ctx, httplib::Response& res, const std::string& route, 
   send_json(ctx, res, route, status, error_body(status, line, error_type_for(status), code));
 }
 
+namespace {
+
+ModelInfo model_info(Context& ctx) {
+  return {&ctx.engine.tokenizer(), ctx.engine.options().base_name,
+          size_t(ctx.engine.config().max_position), &ctx.chat_template,
+          ctx.engine.options().max_queue};
+}
+
+// A request's "model", where given, must name a served model (they share the base's tokenizer).
+void check_model(Context& ctx, const json& body) {
+  if (!body.contains("model") || body["model"].is_null()) return;
+  if (!body["model"].is_string()) throw ApiError(400, "model must be a string");
+  const std::string name = body["model"].get<std::string>();
+  for (const auto& v : ctx.engine.variants())
+    if (v.name == name) return;
+  throw ApiError(404, str("model '", name, "' does not exist"), "", "model_not_found");
+}
+
+}  // namespace
+
 void handle_generation(Context& ctx, const httplib::Request& req, httplib::Response& res,
                        Endpoint endpoint) {
   auto x = std::make_shared<Exchange>();
   x->route = endpoint == Endpoint::kChat ? kChatRoute : kCompletionsRoute;
   const Tokenizer& tok = ctx.engine.tokenizer();
   try {
-    const ModelInfo info{&tok, ctx.engine.options().base_name,
-                         size_t(ctx.engine.config().max_position), &ctx.chat_template,
-                         ctx.engine.options().max_queue};
-    x->request = parse_generation(parse_body(req.body), endpoint, info);
+    x->request = parse_generation(parse_body(req.body), endpoint, model_info(ctx));
     x->builder.emplace(x->request, tok,
                        ctx.new_id(endpoint == Endpoint::kChat ? "chatcmpl" : "cmpl"),
                        int64_t(std::time(nullptr)));
@@ -532,6 +549,42 @@ void handle_unload(Context& ctx, const httplib::Request& req, httplib::Response&
     std::fprintf(stderr, "[serve] unloaded variant %s\n", name.c_str());
   } catch (const ApiError& e) {
     send_error(ctx, res, route, e.status, e.what(), e.code);
+  }
+}
+
+void handle_tokenize(Context& ctx, const httplib::Request& req, httplib::Response& res) {
+  const std::string route = "/tokenize";
+  try {
+    const json body = parse_body(req.body);
+    check_model(ctx, body);
+    const auto ids = parse_tokenize(body, model_info(ctx));
+    json out = {{"tokens", ids},
+                {"count", ids.size()},
+                {"max_model_len", ctx.engine.config().max_position}};
+    if (body.contains("return_token_strs") && body["return_token_strs"] == true) {
+      json strs = json::array();
+      for (const int32_t id : ids) strs.push_back(ctx.engine.tokenizer().token_text(id));
+      out["token_strs"] = std::move(strs);
+    }
+    send_json(ctx, res, route, 200, out);
+  } catch (const ApiError& e) {
+    send_error(ctx, res, route, e.status, e.what(), e.code);
+  } catch (const Error& e) {
+    send_error(ctx, res, route, 400, e.what());
+  }
+}
+
+void handle_detokenize(Context& ctx, const httplib::Request& req, httplib::Response& res) {
+  const std::string route = "/detokenize";
+  try {
+    const json body = parse_body(req.body);
+    check_model(ctx, body);
+    const auto ids = parse_detokenize(body, model_info(ctx));
+    send_json(ctx, res, route, 200, {{"prompt", ctx.engine.tokenizer().decode(ids)}});
+  } catch (const ApiError& e) {
+    send_error(ctx, res, route, e.status, e.what(), e.code);
+  } catch (const Error& e) {
+    send_error(ctx, res, route, 400, e.what());
   }
 }
 

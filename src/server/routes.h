@@ -47,6 +47,9 @@ void handle_model(Context& ctx, const httplib::Request& req,
 void handle_load(Context& ctx, const httplib::Request& req, httplib::Response& res);
 void handle_unload(Context& ctx, const httplib::Request& req, httplib::Response& res);
 void handle_health(Context& ctx, const httplib::Request& req, httplib::Response& res);
+// POST /tokenize and /detokenize (as vLLM and llama.cpp's servers have them).
+void handle_tokenize(Context& ctx, const httplib::Request& req, httplib::Response& res);
+void handle_detokenize(Context& ctx, const httplib::Request& req, httplib::Response& res);
 void handle_metrics(Context& ctx, const httplib::Request& req, httplib::Response& res);
 
 // Every JSON we send goes through this: bytes that are not UTF-8 become U+FFFD instead of throwing.
