@@ -191,6 +191,8 @@ TEST_F(Cli, BadArgumentsAreRefusedInOneLine) {
   expect_failure("serve " + p("base") + " --max-running -1",
                  {"--max-running", "must not be negative"});
   expect_failure("serve " + p("base") + " --port 70000", {"--port", "70000", "65535"});
+  expect_failure("serve " + p("base") + " --prefix-cache-bytes 5X",
+                 {"--prefix-cache-bytes", "unknown unit in '5X'"});
   expect_failure("bench serve --output-len 0 --url http://127.0.0.1:1",
                  {"--output-len must be >= 1"});
   expect_failure("compres " + p("base"), {"unknown subcommand 'compres'", "compress, inspect"});

@@ -199,6 +199,88 @@ TEST_F(EngineTest, RequestsOfOnePromptPrefillItOnce) {
   EXPECT_EQ(m.prompt_tokens_shared, 5 * prompt.size());
 }
 
+// A finished sequence's cache is kept (EngineOptions::prefix_cache_bytes): a prompt that begins
+// with its tokens (the next turn of a conversation: the prompt, the answer, more) starts from a
+// copy of those positions and gives the greedy tokens of the request alone. Kept caches are per
+// model, the prompt's last token always runs, and the budget bounds them.
+TEST_F(EngineTest, PromptsThatBeginLikeAFinishedOneStartFromItsCache) {
+  const auto run = [](Engine& engine, const std::string& model,
+                      const std::vector<int32_t>& prompt) {
+    GenerationRequest r;
+    r.model = model;
+    r.prompt = prompt;
+    r.sampling.temperature = 0;
+    r.stop.max_tokens = 8;
+    r.stop_at_eos = false;
+    Collector c;
+    auto h = engine.submit(r, c.callbacks());
+    EXPECT_TRUE(c.wait());
+    EXPECT_TRUE(c.error.empty()) << c.error;
+    return c.tokens;
+  };
+  Model model(kDemo / "base", 2);
+  const int id = model.add_variant("coder", delta("coder"));
+  const Tokenizer model_tok(kDemo / "base");
+  const auto alone = [&](int variant, const std::vector<int32_t>& prompt) {
+    SamplingParams sp;
+    sp.temperature = 0;
+    StopConditions stop;
+    stop.max_tokens = 8;
+    return generate(model, model_tok, variant, prompt, sp, stop).tokens;
+  };
+  EngineOptions opt;
+  opt.threads = 2;
+  Engine engine(kDemo / "base", opt);
+  engine.add_variant("coder", delta("coder"));
+  const Tokenizer& tok = engine.tokenizer();
+  const auto first =
+      tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", true);
+  ASSERT_GE(first.size(), 16u);
+  const auto answer = run(engine, "coder", first);
+  EXPECT_EQ(answer, alone(id, first));
+  EXPECT_EQ(engine.metrics().prefix_cache_entries, 1u);
+  // The next turn: the first prompt, its answer and more. All but the last answer token are kept
+  // (the last was never fed).
+  std::vector<int32_t> next = first;
+  next.insert(next.end(), answer.begin(), answer.end());
+  const auto more = tok.encode("\n# and now in a loop\n", false);
+  next.insert(next.end(), more.begin(), more.end());
+  EXPECT_EQ(run(engine, "coder", next), alone(id, next));
+  auto m = engine.metrics();
+  EXPECT_EQ(m.prompt_tokens_cached, first.size() + answer.size() - 1);
+  // It replaced the first one's cache, which it holds whole.
+  EXPECT_EQ(m.prefix_cache_entries, 1u);
+  // A prompt that shares only its first 16 tokens starts from those.
+  std::vector<int32_t> partial(first.begin(), first.begin() + 16);
+  const auto other = tok.encode(" return 1 if n < 2 else fib(n - 1) + fib(n - 2)", false);
+  partial.insert(partial.end(), other.begin(), other.end());
+  EXPECT_EQ(run(engine, "coder", partial), alone(id, partial));
+  EXPECT_EQ(engine.metrics().prompt_tokens_cached - m.prompt_tokens_cached, 16u);
+  // Another model's caches are not this one's; a prompt equal to a kept one runs its last token.
+  m = engine.metrics();
+  EXPECT_EQ(run(engine, "base", next), alone(0, next));
+  EXPECT_EQ(engine.metrics().prompt_tokens_cached, m.prompt_tokens_cached);
+  EXPECT_EQ(run(engine, "coder", first), answer);
+  EXPECT_EQ(engine.metrics().prompt_tokens_cached - m.prompt_tokens_cached, first.size() - 1);
+
+  // The budget bounds what is kept: room for one cache keeps the latest; none keeps nothing.
+  const uint64_t one = engine.metrics().prefix_cache_bytes / engine.metrics().prefix_cache_entries;
+  for (const uint64_t budget : {one + one / 2, uint64_t(0)}) {
+    EngineOptions small = opt;
+    small.prefix_cache_bytes = budget;
+    Engine e(kDemo / "base", small);
+    e.add_variant("coder", delta("coder"));
+    run(e, "coder", first);
+    run(e, "coder", partial);
+    EXPECT_EQ(e.metrics().prefix_cache_entries, budget ? 1u : 0u);
+    EXPECT_LE(e.metrics().prefix_cache_bytes, budget);
+    // partial took 16 tokens of first's cache; first, run again, takes 16 of partial's: its own
+    // cache (all of first but its last token) was evicted.
+    run(e, "coder", first);
+    EXPECT_EQ(e.metrics().prompt_tokens_cached, budget ? 32u : 0u);
+  }
+}
+
 TEST_F(EngineTest, TwentyRequestsToAColdVariantCauseOneLoad) {
   EngineOptions opt;
   opt.threads = 2;

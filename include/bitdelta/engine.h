@@ -30,6 +30,9 @@ struct EngineOptions {
   std::string device = "cpu";        // cpu | cuda | cuda:N (delta_cache_bytes is then GPU memory)
   uint64_t host_cache_bytes = uint64_t(16) << 30;  // cuda: pinned host copies of evicted deltas
   bool cuda_graphs = true;  // cuda: decode steps replayed as CUDA graphs (ModelOptions::cuda_graphs)
+  // Caches of finished sequences kept for prompts that begin with their tokens (CPU memory, or GPU
+  // memory with cuda); 0 = none kept.
+  uint64_t prefix_cache_bytes = uint64_t(1) << 30;
 };
 
 // Why a submit() was refused before it started.
@@ -108,6 +111,8 @@ struct EngineMetrics {
   // Prompt tokens run through the model, and those a sequence took from another's prefill of the
   // same prompt (n choices, identical requests admitted together).
   uint64_t prompt_tokens_run = 0, prompt_tokens_shared = 0;
+  uint64_t prompt_tokens_cached = 0;  // prompt tokens a sequence started with, from a kept cache
+  uint64_t prefix_cache_bytes = 0, prefix_cache_entries = 0;  // kept now
   uint64_t max_variants_in_step = 0;
   uint64_t cache_hits = 0, cache_misses = 0, cache_loads = 0, cache_load_failures = 0, cache_evictions = 0;
   uint64_t cache_host_hits = 0;  // device loads served from the pinned host tier (no file read)

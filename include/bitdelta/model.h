@@ -126,9 +126,12 @@ class Model {
   const VariantWeights& variant(int id) const;
 
   Sequence new_sequence(int variant) const;
-  // A copy of a sequence (its keys and values so far, on the device where they live) that then
-  // continues on its own: sequences of one prompt prefill it once.
-  Sequence fork_sequence(const Sequence& sequence) const;
+  // A copy of a sequence's first `length` positions (all of them by default: its keys and values
+  // so far, on the device where they live) that then continues on its own: sequences of one prompt
+  // prefill it once, and a prompt that begins like an earlier one starts from its cache.
+  Sequence fork_sequence(const Sequence& sequence, size_t length = SIZE_MAX) const;
+  // The memory a sequence's cache holds (CPU: float32 vectors; CUDA: its device buffer).
+  uint64_t sequence_bytes(const Sequence& sequence) const;
 
   // One step over rows of many sequences: each row appends its token at the next position of its
   // sequence (rows of one sequence in order). Returns the logits of the rows with want_logits,

@@ -43,7 +43,7 @@ struct ServeArgs {
   std::string config;
   ServerOptions server;
   EngineOptions engine;
-  std::string delta_cache_bytes, host_cache_bytes;
+  std::string delta_cache_bytes, host_cache_bytes, prefix_cache_bytes;
   std::string variants_dir, cache_dir;
   ServeArgs() { server.http_threads = 0; }  // 0: sized from the engine's limits
 };
@@ -124,10 +124,12 @@ void read_config(const fs::path& file, ServeArgs& a, std::vector<VariantSpec>& v
   get("max_queue", a.engine.max_queue);
   get("protect_top", a.engine.protect_top);
   get("http_threads", a.server.http_threads);
-  if (c.contains("delta_cache_bytes")) {
-    const auto& v = c["delta_cache_bytes"];
-    a.delta_cache_bytes = v.is_string() ? v.get<std::string>() : v.dump();
-  }
+  for (auto [key, out] : {std::pair{"delta_cache_bytes", &a.delta_cache_bytes},
+                          std::pair{"prefix_cache_bytes", &a.prefix_cache_bytes}})
+    if (c.contains(key)) {
+      const auto& v = c[key];
+      *out = v.is_string() ? v.get<std::string>() : v.dump();
+    }
   std::string vdir, cdir;
   get("variants_dir", vdir);
   if (!vdir.empty()) a.variants_dir = rel(vdir).string();
@@ -272,6 +274,9 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--device", a->engine.device, "cpu, cuda or cuda:N (the delta cache is then GPU memory)");
   cmd->add_option("--host-cache-bytes", a->host_cache_bytes,
                   "cuda: pinned host memory kept for evicted deltas (e.g. 16G)");
+  cmd->add_option("--prefix-cache-bytes", a->prefix_cache_bytes,
+                  "Finished sequences' caches kept for prompts that begin like them (default 1G; "
+                  "0: off; GPU memory with --device cuda)");
   add_cuda_graphs_option(cmd, a->engine.cuda_graphs);
   cmd->add_option("--http-threads", a->server.http_threads,
                   "Connections served at once (0: max-running + max-queue + 16, so a full queue is "
@@ -297,6 +302,7 @@ void add_serve_command(CLI::App& app) {
     if (given("--threads")) args.engine.threads = a->engine.threads;
     if (given("--device")) args.engine.device = a->engine.device;
     if (given("--host-cache-bytes")) args.host_cache_bytes = a->host_cache_bytes;
+    if (given("--prefix-cache-bytes")) args.prefix_cache_bytes = a->prefix_cache_bytes;
     if (given("--cuda-graphs")) args.engine.cuda_graphs = a->engine.cuda_graphs;
     if (given("--http-threads")) args.server.http_threads = a->server.http_threads;
     for (const auto& p : a->engine.pinned) args.engine.pinned.push_back(p);
@@ -318,6 +324,8 @@ void add_serve_command(CLI::App& app) {
       args.engine.delta_cache_bytes = parse_bytes(args.delta_cache_bytes, "--delta-cache-bytes");
     if (!args.host_cache_bytes.empty())
       args.engine.host_cache_bytes = parse_bytes(args.host_cache_bytes, "--host-cache-bytes");
+    if (!args.prefix_cache_bytes.empty())
+      args.engine.prefix_cache_bytes = parse_bytes(args.prefix_cache_bytes, "--prefix-cache-bytes");
     for (const auto& v : variants)
       if (v.pinned) args.engine.pinned.push_back(v.name);
     args.server.variants_dir = args.variants_dir;

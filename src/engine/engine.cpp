@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <deque>
 #include <future>
+#include <list>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -23,6 +24,9 @@ namespace {
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 constexpr size_t kMaxSamples = 100000;  // latency samples kept per variant and kind
+// A prompt starts from a kept cache when at least this many of its tokens match it (fewer are
+// cheaper to run than to copy a whole cache for).
+constexpr size_t kMinPrefix = 16;
 
 void push_sample(std::vector<double>& v, double x) {
   if (v.size() >= kMaxSamples) v.erase(v.begin(), v.begin() + long(kMaxSamples / 10));
@@ -117,6 +121,18 @@ struct Engine::Impl {
   std::deque<std::shared_ptr<Request>> queued;    // variant resident, waiting for a running slot
   std::vector<std::shared_ptr<Request>> running;  // owned by the engine thread
   EngineMetrics m;
+
+  // The caches of finished sequences, kept under EngineOptions::prefix_cache_bytes (least recently
+  // used first out): a prompt that begins with the tokens of one (a conversation's next turn, a
+  // shared system message) starts from a copy of its first positions.
+  struct KeptCache {
+    int model_id;
+    std::vector<int32_t> tokens;  // what its positions hold
+    std::unique_ptr<Sequence> seq;
+    uint64_t bytes = 0, last_use = 0;
+  };
+  std::list<KeptCache> kept;
+  uint64_t kept_bytes = 0, use_clock = 0;
   std::map<std::string, EngineMetrics::PerVariant> per_variant;
 
   std::thread thread;
@@ -181,6 +197,7 @@ struct Engine::Impl {
     if (resident + need > opt.delta_cache_bytes + freeable) return false;
     for (auto& [s, v] : candidates) {
       if (resident + need <= opt.delta_cache_bytes) break;
+      drop_kept(v->model_id);
       model.remove_variant(v->model_id);
       v->model_id = -1;
       v->state = "cold";
@@ -341,7 +358,7 @@ struct Engine::Impl {
     pv.completion_tokens += u.completion_tokens;
     push_sample(pv.e2e_s, u.total_s);
     if (auto it = variants.find(r.variant); it != variants.end()) --it->second.active;
-    r.seq.reset();  // frees the KV cache now
+    keep_cache(r);  // or frees it now
     auto self = r.shared_from_this();
     after.push_back([self, reason, u] {
       self->deliver([&] {
@@ -508,6 +525,77 @@ struct Engine::Impl {
     return true;
   }
 
+  // --- kept caches ---------------------------------------------------------------------------
+
+  // A finished request's cache joins the kept ones (or is freed): its positions hold its prompt and
+  // every generated token but the last.
+  void keep_cache(Request& r) {
+    std::unique_ptr<Sequence> seq = std::move(r.seq);
+    if (!seq || opt.prefix_cache_bytes == 0 || seq->length < kMinPrefix) return;
+    std::vector<int32_t> tokens(r.history.begin(),
+                                r.history.begin() + long(std::min(seq->length, r.history.size())));
+    const auto starts = [](const std::vector<int32_t>& a, const std::vector<int32_t>& prefix) {
+      return prefix.size() <= a.size() && std::equal(prefix.begin(), prefix.end(), a.begin());
+    };
+    for (auto it = kept.begin(); it != kept.end();) {
+      if (it->model_id == r.model_id && starts(it->tokens, tokens)) {  // already kept, or more
+        it->last_use = ++use_clock;
+        return;
+      }
+      if (it->model_id == r.model_id && starts(tokens, it->tokens)) {  // this one holds it all
+        kept_bytes -= it->bytes;
+        it = kept.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    const uint64_t bytes = model.sequence_bytes(*seq);
+    if (bytes > opt.prefix_cache_bytes) return;
+    kept.push_back({r.model_id, std::move(tokens), std::move(seq), bytes, ++use_clock});
+    kept_bytes += bytes;
+    while (kept_bytes > opt.prefix_cache_bytes) {
+      auto oldest = std::min_element(kept.begin(), kept.end(), [](const auto& a, const auto& b) {
+        return a.last_use < b.last_use;
+      });
+      kept_bytes -= oldest->bytes;
+      kept.erase(oldest);
+    }
+  }
+
+  // Starts r from the kept cache that shares the longest beginning with its prompt, if that is
+  // kMinPrefix tokens or more; its last prompt token always runs (its logits give the first token).
+  void start_from_kept(Request& r) {
+    if (r.req.prompt_logprobs) return;  // those need every prompt token run
+    KeptCache* best = nullptr;
+    size_t best_len = 0;
+    for (auto& k : kept) {
+      if (k.model_id != r.model_id) continue;
+      const size_t n = std::min(k.tokens.size(), r.req.prompt.size() - 1);
+      const size_t common = size_t(
+          std::mismatch(k.tokens.begin(), k.tokens.begin() + long(n), r.req.prompt.begin()).first -
+          k.tokens.begin());
+      if (common > best_len) {
+        best = &k;
+        best_len = common;
+      }
+    }
+    if (!best || best_len < kMinPrefix) return;
+    r.seq = std::make_unique<Sequence>(model.fork_sequence(*best->seq, best_len));
+    r.prefilled = best_len;
+    best->last_use = ++use_clock;
+    m.prompt_tokens_cached += best_len;
+  }
+
+  void drop_kept(int model_id) {
+    for (auto it = kept.begin(); it != kept.end();)
+      if (it->model_id == model_id) {
+        kept_bytes -= it->bytes;
+        it = kept.erase(it);
+      } else {
+        ++it;
+      }
+  }
+
   // The requests waiting for `leader`'s prompt, now that it is in: each continues from a copy of
   // its sequence, with its prompt logprobs if asked for, and samples its first token from `logits`.
   void start_followers(Request& leader, const float* logits,
@@ -560,6 +648,7 @@ struct Engine::Impl {
             r->leader = other;
             break;
           }
+        if (!r->leader) start_from_kept(*r);
         running.push_back(r);
       } catch (const std::exception& e) {
         const std::string msg = e.what();
@@ -590,7 +679,10 @@ struct Engine::Impl {
           incoming.pop_front();
         }
         load_finished = false;
-        for (int id : removed_model_ids) model.remove_variant(id);
+        for (int id : removed_model_ids) {
+          drop_kept(id);
+          model.remove_variant(id);
+        }
         removed_model_ids.clear();
         finish_loads(after);
         // Cancelled requests leave now: their KV cache is freed and no callback follows.
@@ -776,6 +868,8 @@ std::vector<std::shared_ptr<RequestHandle>> Engine::submit_all(
 EngineMetrics Engine::metrics() const {
   std::lock_guard lock(impl_->mutex);
   EngineMetrics out = impl_->m;
+  out.prefix_cache_bytes = impl_->kept_bytes;
+  out.prefix_cache_entries = impl_->kept.size();
   out.queue_length = impl_->queued.size() + impl_->incoming.size();
   for (const auto& [_, v] : impl_->variants) out.queue_length += v.waiting_load.size();
   out.cache_resident_bytes = 0;

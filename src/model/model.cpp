@@ -258,14 +258,29 @@ Sequence Model::new_sequence(int variant) const {
   return s;
 }
 
-Sequence Model::fork_sequence(const Sequence& sequence) const {
+Sequence Model::fork_sequence(const Sequence& sequence, size_t length) const {
+  length = std::min(length, sequence.length);
   Sequence copy;
   copy.variant = sequence.variant;
-  copy.length = sequence.length;
-  copy.keys = sequence.keys;
-  copy.values = sequence.values;
+  copy.length = length;
+  const size_t kv = config_.kv_heads * config_.head_dim;
+  copy.keys.resize(sequence.keys.size());
+  copy.values.resize(sequence.values.size());
+  for (size_t l = 0; l < sequence.keys.size(); ++l) {
+    const size_t n = std::min(sequence.keys[l].size(), length * kv);
+    copy.keys[l].assign(sequence.keys[l].begin(), sequence.keys[l].begin() + long(n));
+    copy.values[l].assign(sequence.values[l].begin(), sequence.values[l].begin() + long(n));
+  }
   if (sequence.device_kv) copy.device_kv = device_->clone_kv(*sequence.device_kv);
   return copy;
+}
+
+uint64_t Model::sequence_bytes(const Sequence& sequence) const {
+  uint64_t bytes = 0;
+  for (size_t l = 0; l < sequence.keys.size(); ++l)
+    bytes += (sequence.keys[l].size() + sequence.values[l].size()) * sizeof(float);
+  if (sequence.device_kv) bytes += device_->kv_bytes(*sequence.device_kv);
+  return bytes;
 }
 
 namespace {

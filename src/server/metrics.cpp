@@ -132,6 +132,13 @@ std::string render_metrics(const EngineMetrics& m, const std::vector<VariantStat
   scalar("bitdelta_prompt_tokens_shared_total", "counter",
          "Prompt tokens taken from another sequence's prefill of the same prompt.",
          double(m.prompt_tokens_shared));
+  scalar("bitdelta_prompt_tokens_cached_total", "counter",
+         "Prompt tokens a sequence started with, from the kept cache of an earlier one.",
+         double(m.prompt_tokens_cached));
+  scalar("bitdelta_prefix_cache_bytes", "gauge", "Memory of the kept caches of finished sequences.",
+         double(m.prefix_cache_bytes));
+  scalar("bitdelta_prefix_cache_entries", "gauge", "Kept caches of finished sequences.",
+         double(m.prefix_cache_entries));
   scalar("bitdelta_delta_cache_hits_total", "counter", "Requests whose delta was resident.",
          double(m.cache_hits));
   scalar("bitdelta_delta_cache_misses_total", "counter", "Requests whose delta was not resident.",

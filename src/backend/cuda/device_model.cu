@@ -862,12 +862,16 @@ DeviceMemory DeviceModel::memory() const {
   return m;
 }
 
+uint64_t DeviceModel::kv_bytes(const DeviceKV& kv) const {
+  // Each layer's keys and values for `capacity` positions (as forward lays them out).
+  const auto& c = impl_->c;
+  return uint64_t(kv.capacity) * c.layers * 2 * c.kv_heads * c.head_dim * sizeof(bf16);
+}
+
 std::shared_ptr<DeviceKV> DeviceModel::clone_kv(const DeviceKV& kv) const {
   const auto& m = *impl_;
   BITDELTA_CUDA_CHECK(cudaSetDevice(m.ctx->device));
-  // The whole buffer: each layer's keys and values for `capacity` positions (as forward lays it
-  // out).
-  const size_t bytes = kv.capacity * m.c.layers * 2 * m.c.kv_heads * m.c.head_dim * sizeof(bf16);
+  const size_t bytes = kv_bytes(kv);  // the whole buffer
   auto copy = std::make_shared<DeviceKV>();
   copy->ctx = m.ctx;
   copy->data = static_cast<bf16*>(device_alloc(bytes, m.ctx->stream, "a sequence's KV cache"));

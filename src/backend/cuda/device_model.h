@@ -83,6 +83,7 @@ class DeviceModel {
   // A copy of a sequence's cache, made on the device's stream after the steps before it: the
   // cache of a sequence that continues from another's prompt (Model::fork_sequence).
   std::shared_ptr<DeviceKV> clone_kv(const DeviceKV& kv) const;
+  uint64_t kv_bytes(const DeviceKV& kv) const;  // the device memory the cache holds
   GraphStats graph_stats() const;
 
   DeviceMemory memory() const;

@@ -26,6 +26,9 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow>) { fail(kWhy)
 std::shared_ptr<DeviceKV> DeviceModel::clone_kv(const DeviceKV&) const {
   fail(kWhy);
 }
+uint64_t DeviceModel::kv_bytes(const DeviceKV&) const {
+  return 0;
+}
 GraphStats DeviceModel::graph_stats() const { return {}; }
 DeviceMemory DeviceModel::memory() const { return {}; }
 std::string DeviceModel::device_name() const { return ""; }
