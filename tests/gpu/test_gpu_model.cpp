@@ -345,6 +345,19 @@ TEST_F(GpuModel, ForkedSequenceContinuesLikeOneThatPrefilledItsPrompt) {
     }
   }
   std::printf("  worst |forked - prefilled| logit %.2e\n", worst);
+
+  // A fork of the first 3 positions (a kept cache whose tokens a new prompt begins with) goes on
+  // with the rest of the prompt like c did.
+  Sequence d = model.fork_sequence(a, 3);
+  EXPECT_EQ(d.length, 3u);
+  Sequence e = model.new_sequence(v);
+  std::vector<ForwardRow> rd, re;
+  for (size_t i = 3; i < prompt.size(); ++i) rd.push_back({&d, prompt[i], i + 1 == prompt.size()});
+  for (size_t i = 0; i < prompt.size(); ++i) re.push_back({&e, prompt[i], i + 1 == prompt.size()});
+  const auto got = model.forward(rd), want = model.forward(re);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(got[i], want[i], 1e-3 * (1 + std::abs(want[i]))) << "logit " << i;
 }
 
 // The engine on the device with room for one delta on the GPU: alternating requests evict and
