@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
 #include <deque>
 #include <future>
 #include <list>
@@ -580,10 +581,23 @@ struct Engine::Impl {
       }
     }
     if (!best || best_len < kMinPrefix) return;
-    r.seq = std::make_unique<Sequence>(model.fork_sequence(*best->seq, best_len));
+    try {
+      r.seq = std::make_unique<Sequence>(model.fork_sequence(*best->seq, best_len));
+    } catch (const std::exception& e) {
+      // No memory for the copy (a GPU allocation): the kept caches go, and it prefills as usual.
+      std::fprintf(stderr, "[engine] prefilling in full: copying a kept cache failed (%s)\n",
+                   e.what());
+      drop_all_kept();
+      return;
+    }
     r.prefilled = best_len;
     best->last_use = ++use_clock;
     m.prompt_tokens_cached += best_len;
+  }
+
+  void drop_all_kept() {
+    kept.clear();
+    kept_bytes = 0;
   }
 
   void drop_kept(int model_id) {
@@ -604,7 +618,15 @@ struct Engine::Impl {
       Request& f = *fp;
       if (f.leader.get() != &leader) continue;
       f.leader.reset();
-      f.seq = std::make_unique<Sequence>(model.fork_sequence(*leader.seq));
+      try {
+        f.seq = std::make_unique<Sequence>(model.fork_sequence(*leader.seq));
+      } catch (const std::exception& e) {
+        // No memory for the copy (a GPU allocation): it prefills the prompt itself instead.
+        std::fprintf(stderr, "[engine] a sequence prefills alone: copying a cache failed (%s)\n",
+                     e.what());
+        drop_all_kept();
+        continue;
+      }
       f.prefilled = f.req.prompt.size();
       m.prompt_tokens_shared += f.req.prompt.size();
       if (f.req.prompt_logprobs) {
