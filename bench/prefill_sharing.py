@@ -39,7 +39,8 @@ def main():
         return [1] + [(t * (k + 3)) % 3000 + 5 for t in range(100, 100 + a.prompt)]
 
     def counters():
-        return metric("bitdelta_prompt_tokens_run_total"), metric("bitdelta_prompt_tokens_shared_total")
+        return (metric("bitdelta_prompt_tokens_run_total"),
+                metric("bitdelta_prompt_tokens_shared_total"))
 
     common = {"model": a.model, "max_tokens": 4, "temperature": 0.8}
     one, many = [], []
@@ -49,7 +50,8 @@ def main():
         post({**common, "prompt": prompt(0), "n": a.n, "seed": rep})
         one.append(time.perf_counter() - t)
         r1, s1 = counters()
-        threads = [threading.Thread(target=post, args=({**common, "prompt": prompt(k + 1), "seed": rep},))
+        threads = [threading.Thread(target=post,
+                                    args=({**common, "prompt": prompt(k + 1), "seed": rep},))
                    for k in range(a.n)]
         t = time.perf_counter()
         for th in threads:
@@ -63,7 +65,8 @@ def main():
               f"shared {s2 - s1:.0f})")
     ratio = statistics.median(many) / statistics.median(one)
     print(f"median: n={a.n} of one prompt {statistics.median(one):.3f} s, {a.n} prompts "
-          f"{statistics.median(many):.3f} s; ratio {ratio:.2f} (bound {a.n}: {ratio / a.n:.0%} of it)")
+          f"{statistics.median(many):.3f} s; ratio {ratio:.2f} "
+          f"(bound {a.n}: {ratio / a.n:.0%} of it)")
 
 
 if __name__ == "__main__":

@@ -4,15 +4,14 @@ Hugging Face `tokenizers` format, trained here on a small corpus, and test strin
 a plain reference computes them, for three configurations of the pre-tokenizer found in released
 checkpoints (Llama 3, Qwen2, GPT-2).
 
-    python3 tools/bpe_fixture/make_fixture.py tests/fixtures/bpe           # writes; needs `regex`
-    python3 tools/bpe_fixture/make_fixture.py tests/fixtures/bpe --check   # compares the written
-                                                                           # cases with HF tokenizers
+    python3 tools/bpe_fixture/make_fixture.py tests/fixtures/bpe          # writes; needs `regex`
+    python3 tools/bpe_fixture/make_fixture.py tests/fixtures/bpe --check  # against HF tokenizers
 
 The reference is written from the format's definition, in Python with the `regex` module (not the
 regex engine the C++ code uses): added tokens are split out first (leftmost, longest; lstrip/rstrip
-take the whitespace beside them), each other piece is pre-tokenized (Split: the pattern's matches and
-the text between them; ByteLevel: optional prefix space, optional GPT-2 pattern), mapped byte by byte
-to the GPT-2 alphabet and merged pair by pair, lowest rank first, leftmost first. Special tokens of
+take the whitespace beside them), each other piece is pre-tokenized (Split: the pattern's matches
+and the text between them; ByteLevel: optional prefix space, optional GPT-2 pattern), mapped byte
+by byte to the GPT-2 alphabet and merged pair by pair, lowest rank first, leftmost first. Special tokens of
 the post-processor's template go in front. Decoding joins the bytes of non-special tokens and reads
 them as UTF-8 with U+FFFD for each maximal invalid subpart.
 """
