@@ -776,7 +776,10 @@ TEST_F(ServerTest, TokenIdPromptLogprobsMatchScore) {
   auto c = server->client();
   const std::vector<int32_t> ids = {1, 40, 41, 77, 120, 5, 9, 200, 33};
   std::string csv;
-  for (size_t i = 0; i < ids.size(); ++i) csv += (i ? "," : "") + std::to_string(ids[i]);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i) csv += ',';
+    csv += std::to_string(ids[i]);
+  }
   for (const std::string model : {"base", "writer"}) {
     const auto r = post(c, "/v1/completions",
                         {{"model", model},
@@ -917,6 +920,44 @@ TEST_F(ServerTest, ErrorsInOpenAIShape) {
                "--variants-dir");
   // Still serving.
   EXPECT_EQ(post(c, "/v1/completions", json{{"prompt", "x"}, {"max_tokens", 2}}).status, 200);
+}
+
+// A conversation's next turn starts from the first turn's kept cache (the default
+// --prefix-cache-bytes), and gives what a server without kept caches gives.
+TEST_F(ServerTest, NextChatTurnStartsFromTheKeptCache) {
+  auto server = start();
+  auto off = start({"--prefix-cache-bytes", "0"});
+  auto c = server->client();
+  auto c_off = off->client();
+  json turn = {{"model", "writer"},
+               {"messages",
+                {{{"role", "system"}, {"content", "You write short poems about the sea and wind."}},
+                 {{"role", "user"}, {"content", "Write about the lazy dog and the brown fox."}}}},
+               {"max_tokens", 8},
+               {"temperature", 0},
+               {"ignore_eos", true}};
+  const auto first = post(c, "/v1/chat/completions", turn);
+  ASSERT_EQ(first.status, 200) << first.raw;
+  const size_t first_prompt = first.body["usage"]["prompt_tokens"];
+  ASSERT_GE(first_prompt, 16u);
+  turn["messages"].push_back(first.body["choices"][0]["message"]);
+  turn["messages"].push_back({{"role", "user"}, {"content", "And now the wind."}});
+  const double before = metric(metrics(c), "bitdelta_prompt_tokens_cached_total");
+  const auto second = post(c, "/v1/chat/completions", turn);
+  ASSERT_EQ(second.status, 200) << second.raw;
+  const double taken = metric(metrics(c), "bitdelta_prompt_tokens_cached_total") - before;
+  EXPECT_GE(taken, 16);
+  EXPECT_LE(taken, double(second.body["usage"]["prompt_tokens"].get<size_t>() - 1));
+  // The same two turns on a server that keeps nothing.
+  turn["messages"].erase(turn["messages"].end() - 2, turn["messages"].end());
+  EXPECT_EQ(post(c_off, "/v1/chat/completions", turn).body["choices"][0]["message"],
+            first.body["choices"][0]["message"]);
+  turn["messages"].push_back(first.body["choices"][0]["message"]);
+  turn["messages"].push_back({{"role", "user"}, {"content", "And now the wind."}});
+  EXPECT_EQ(post(c_off, "/v1/chat/completions", turn).body["choices"][0]["message"],
+            second.body["choices"][0]["message"]);
+  EXPECT_EQ(metric(metrics(c_off), "bitdelta_prompt_tokens_cached_total"), 0);
+  EXPECT_EQ(metric(metrics(c_off), "bitdelta_prefix_cache_entries"), 0);
 }
 
 TEST_F(ServerTest, TokenizeAndDetokenize) {
