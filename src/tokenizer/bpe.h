@@ -1,5 +1,5 @@
 // A byte-level BPE tokenizer read from a Hugging Face `tokenizer.json` (the format of GPT-2,
-// Llama 3, Qwen2, Mistral Nemo ...): added tokens, pre-tokenizer, merges and the post-processor's
+// Llama 3, Qwen2 ...): added tokens, pre-tokenizer, merges and the post-processor's
 // leading special tokens. Used by Tokenizer when a checkpoint has no SentencePiece model.
 #pragma once
 
