@@ -47,7 +47,7 @@ copy_bins "${build}-ptx90" .device/bin-ptx90 "${ptx_targets[@]}"
 # Libraries from our Debian -dev packages that Ubuntu's GPU image does not have (OpenBLAS, OpenSSL,
 # zlib and CUDA's own libraries are there).
 for l in libcpp-httplib.so.0.11 libsentencepiece.so.0 libxxhash.so.0 libbrotlicommon.so.1 libbrotlidec.so.1 \
-         libbrotlienc.so.1 libbenchmark.so.1debian; do
+         libbrotlienc.so.1 libbenchmark.so.1debian libpcre2-8.so.0; do
   cp -L "/lib/x86_64-linux-gnu/$l" .device/lib/
 done
 # One xz stream with a dictionary larger than the binaries together: every binary links the same
