@@ -1006,6 +1006,8 @@ TEST_F(ServerTest, TokenizeAndDetokenize) {
   EXPECT_EQ(message(e), "give either prompt (text) or messages");
   e = post(c, "/tokenize", json{{"prompt", {1, 2}}});
   EXPECT_EQ(message(e), "prompt must be a string");
+  e = post(c, "/tokenize", json{{"prompt", "x"}, {"return_token_strs", "yes"}});
+  EXPECT_EQ(message(e), "return_token_strs must be a boolean");
   e = post(c, "/tokenize", json{{"model", "nope"}, {"prompt", "x"}});
   EXPECT_EQ(e.status, 404);
   e = post(c, "/tokenize", std::string("{\"prompt\": "));

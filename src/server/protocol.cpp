@@ -401,20 +401,24 @@ ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelI
   return r;
 }
 
-std::vector<int32_t> parse_tokenize(const json& body, const ModelInfo& model) {
+TokenizeRequest parse_tokenize(const json& body, const ModelInfo& model) {
   const bool has_prompt = present(body, "prompt"), has_messages = present(body, "messages");
   if (has_prompt == has_messages) bad("give either prompt (text) or messages");
-  ParsedRequest r;
+  TokenizeRequest out;
+  out.token_strs = get_bool(body, "return_token_strs", false);
   if (has_messages) {
     if (present(body, "add_special_tokens"))
       bad("add_special_tokens applies to prompt, not messages (their template decides)");
+    ParsedRequest r;
     parse_messages(body, model, r);
-    return r.prompts.at(0).ids;
+    out.ids = std::move(r.prompts.at(0).ids);
+    return out;
   }
   if (!body["prompt"].is_string()) bad("prompt must be a string");
   const bool special = get_bool(body, "add_special_tokens", true);
   const Tokenizer& tok = *model.tokenizer;
-  return tok.encode(body["prompt"].get<std::string>(), special && tok.adds_bos());
+  out.ids = tok.encode(body["prompt"].get<std::string>(), special && tok.adds_bos());
+  return out;
 }
 
 std::vector<int32_t> parse_detokenize(const json& body, const ModelInfo& model) {

@@ -76,9 +76,14 @@ struct ParsedRequest {
 ParsedRequest parse_generation(const json& body, Endpoint endpoint, const ModelInfo& model);
 
 // POST /tokenize: {"prompt": text} or {"messages": [...]} (the chat prompt as /v1/chat/completions
-// runs it), with "add_special_tokens" (default true: BOS where the tokenizer puts it; text only).
-// POST /detokenize: {"tokens": [ids]}. Both throw ApiError(400) naming the field.
-std::vector<int32_t> parse_tokenize(const json& body, const ModelInfo& model);
+// runs it), with "add_special_tokens" (default true: BOS where the tokenizer puts it; text only)
+// and "return_token_strs" (default false). POST /detokenize: {"tokens": [ids]}. Both throw
+// ApiError(400) naming the field.
+struct TokenizeRequest {
+  std::vector<int32_t> ids;
+  bool token_strs = false;  // also answer each token as text
+};
+TokenizeRequest parse_tokenize(const json& body, const ModelInfo& model);
 std::vector<int32_t> parse_detokenize(const json& body, const ModelInfo& model);
 
 // Accumulates one request's output, sequence by sequence (ParsedRequest::sequence), and renders
@@ -102,9 +107,6 @@ class ResponseBuilder {
   std::optional<json> first_chunk(size_t seq);
   json final_chunk(size_t seq, FinishReason reason);
   json usage_chunk(const Usage& usage);
-
-  const std::string& text(size_t seq) const { return seqs_[seq].text; }
-  size_t completion_tokens(size_t seq) const { return seqs_[seq].tokens.size(); }
 
  private:
   struct Sequence {

@@ -557,13 +557,13 @@ void handle_tokenize(Context& ctx, const httplib::Request& req, httplib::Respons
   try {
     const json body = parse_body(req.body);
     check_model(ctx, body);
-    const auto ids = parse_tokenize(body, model_info(ctx));
-    json out = {{"tokens", ids},
-                {"count", ids.size()},
+    const auto t = parse_tokenize(body, model_info(ctx));
+    json out = {{"tokens", t.ids},
+                {"count", t.ids.size()},
                 {"max_model_len", ctx.engine.config().max_position}};
-    if (body.contains("return_token_strs") && body["return_token_strs"] == true) {
+    if (t.token_strs) {
       json strs = json::array();
-      for (const int32_t id : ids) strs.push_back(ctx.engine.tokenizer().token_text(id));
+      for (const int32_t id : t.ids) strs.push_back(ctx.engine.tokenizer().token_text(id));
       out["token_strs"] = std::move(strs);
     }
     send_json(ctx, res, route, 200, out);

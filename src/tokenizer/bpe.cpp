@@ -349,6 +349,10 @@ void ByteLevelBpe::pre_tokenize(std::string_view text, std::vector<std::string>&
   std::unique_ptr<pcre2_match_data, MatchDataDeleter> match;
   for (const Step& step : steps_) {
     next.clear();
+    if (step.regex) {  // one match block for all the pieces of this step
+      match.reset(pcre2_match_data_create_from_pattern(step.regex.get(), nullptr));
+      if (!match) throw std::bad_alloc();
+    }
     for (std::string& piece : pieces) {
       if (step.add_prefix_space && piece[0] != ' ') piece.insert(piece.begin(), ' ');
       if (!step.regex) {
@@ -356,8 +360,6 @@ void ByteLevelBpe::pre_tokenize(std::string_view text, std::vector<std::string>&
         continue;
       }
       // The matches, and the text between them, in order (behavior Isolated).
-      match.reset(pcre2_match_data_create_from_pattern(step.regex.get(), nullptr));
-      if (!match) throw std::bad_alloc();
       size_t at = 0, last = 0;
       while (at < piece.size()) {
         const int rc = pcre2_match(step.regex.get(), reinterpret_cast<PCRE2_SPTR>(piece.data()),
