@@ -485,9 +485,9 @@ TEST(ServerBpe, Llama3TokenizerJsonServesChatAndCompletions) {
   const fs::path base = dir / "base";
   fs::create_directories(base);
   json config = test::tiny_server_config();
-  config["vocab_size"] = 964;  // the fixture's ids reach 963
-  config["bos_token_id"] = 958;
-  config["eos_token_id"] = 962;
+  config["vocab_size"] = 962;    // the fixture's ids reach 961
+  config["bos_token_id"] = 956;  // <|begin_of_text|>
+  config["eos_token_id"] = 960;  // <|eot_id|>
   const ModelConfig c = ModelConfig::from_json(config, "tiny");
   test::TensorMap weights;
   uint64_t seed = 300;

@@ -481,15 +481,13 @@ TEST(ByteLevelBpe, TokensReadAsTheirBytesAndSpecialsAsControl) {
   EXPECT_EQ(tok.piece(space), "\xC4\xA0");
   EXPECT_EQ(tok.token_text(newline), "\n");
   EXPECT_EQ(tok.decode(std::vector<int32_t>{space, newline}), " \n");
-  const int32_t eot = 962;  // <|eot_id|>
+  const int32_t eot = 960;  // <|eot_id|>: the fifth added token after 956 in the vocabulary
   EXPECT_TRUE(tok.is_control(eot));
   EXPECT_EQ(tok.token_text(eot), "<|eot_id|>");
   EXPECT_EQ(tok.decode(std::vector<int32_t>{space, eot, newline}), " \n");
-  // The two ids between the vocabulary and the added tokens belong to no token: they decode to
-  // nothing, and the vocabulary size counts up to the last added token.
-  EXPECT_EQ(tok.vocab_size(), 964u);
-  EXPECT_EQ(tok.decode(std::vector<int32_t>{956, 957}), "");
-  EXPECT_THROW(tok.decode(std::vector<int32_t>{964}), Error);
+  // The vocabulary size counts up to the last added token (<tool>, 961).
+  EXPECT_EQ(tok.vocab_size(), 962u);
+  EXPECT_THROW(tok.decode(std::vector<int32_t>{962}), Error);
   // Special ids from config.json override the template's BOS; EOS comes only from there.
   EXPECT_TRUE(tok.eos_ids().empty());
   write_text(tmp / "tokenizer_config.json", R"({"add_bos_token": false})");
@@ -501,10 +499,46 @@ TEST(ByteLevelBpe, TokensReadAsTheirBytesAndSpecialsAsControl) {
   EXPECT_FALSE(Tokenizer(qwen.path()).adds_bos());
   write_text(qwen / "tokenizer_config.json", R"({"add_bos_token": true})");
   expect_error(qwen.path(), {"tokenizer_config.json", "add_bos_token is true", "no BOS id"});
-  write_text(tmp / "config.json", R"({"bos_token_id": 959, "eos_token_id": [962, 959]})");
+  write_text(tmp / "config.json", R"({"bos_token_id": 959, "eos_token_id": [960, 959]})");
   const Tokenizer configured(tmp.path());
   EXPECT_EQ(configured.bos_id(), 959);
-  EXPECT_EQ(configured.eos_ids(), (std::vector<int32_t>{962, 959}));
+  EXPECT_EQ(configured.eos_ids(), (std::vector<int32_t>{960, 959}));
+}
+
+// Added tokens get the ids the tokenizers library gives them on reading the file, not the file's
+// where the two differ (AddedVocabulary::add_tokens; the session-45 device check found tokenizers
+// giving 956 to a token the file put at 958): a content model.vocab holds keeps its vocabulary id,
+// any other takes the vocabulary's size or the largest added id + 1, and a repeat is skipped.
+TEST(ByteLevelBpe, AddedTokensTakeTheIdsTheTokenizersLibraryGives) {
+  json tk = bpe_json("llama3");
+  const json vocab = tk["model"]["vocab"];
+  ASSERT_EQ(vocab.size(), 956u);
+  json& added = tk["added_tokens"];
+  for (size_t i = 0; i < added.size(); ++i)
+    added[i]["id"] = 2000 + 3 * int(i);  // the file's ids, not kept
+  json again = added[4];                 // <|eot_id|> once more, at another id: skipped
+  again["id"] = 7;
+  added.push_back(again);
+  json known = added[5];  // a content the vocabulary has ("the"), listed at another id
+  known["content"] = "the";
+  known["id"] = 3000;
+  known["lstrip"] = known["rstrip"] = false;
+  added.push_back(known);
+  json last = known;  // after an id inside the vocabulary, the next new one is past the largest
+  last["content"] = "<last>";
+  added.push_back(last);
+  TempDir tmp;
+  write_bpe(tmp.path(), tk);
+  const Tokenizer tok(tmp.path());
+  EXPECT_EQ(tok.encode("<|begin_of_text|>", false), std::vector<int32_t>{956});
+  EXPECT_EQ(tok.encode("<|eot_id|>", false), std::vector<int32_t>{960});
+  EXPECT_EQ(tok.encode("x<tool>", false), (std::vector<int32_t>{vocab["x"].get<int32_t>(), 961}));
+  EXPECT_EQ(tok.encode(" the", false).back(), vocab["the"].get<int32_t>());
+  EXPECT_EQ(tok.encode("<last>", false), std::vector<int32_t>{962});
+  EXPECT_EQ(tok.token_text(960), "<|eot_id|>");
+  EXPECT_EQ(tok.vocab_size(), 963u);
+  // The template's BOS is the id the template names (956 here, as the fixture writes it).
+  EXPECT_EQ(tok.encode("hi", true).front(), 956);
 }
 
 // ignore_merges (Llama 3): a word the vocabulary holds whole is that token, even where the merges
@@ -512,6 +546,9 @@ TEST(ByteLevelBpe, TokensReadAsTheirBytesAndSpecialsAsControl) {
 TEST(ByteLevelBpe, IgnoreMergesTakesWholeWordsFromTheVocabulary) {
   json tk = bpe_json("llama3");
   tk["model"]["vocab"]["qqqz"] = 5000;  // no merge makes it
+  // One more vocabulary entry moves the added tokens one id on (tokenizers gives them ids from the
+  // vocabulary's size), the template's BOS with them.
+  tk["post_processor"]["processors"][1]["special_tokens"]["<|begin_of_text|>"]["ids"] = {957};
   TempDir with, without;
   write_bpe(with.path(), tk);
   tk["model"]["ignore_merges"] = false;
@@ -589,7 +626,8 @@ TEST(ByteLevelBpe, UnsupportedOrBrokenFilesAreNamed) {
         single.push_back(single[0]);
       },
       {"after the text"});
-  expect_bpe_error([](json& t) { t["added_tokens"][0]["id"] = 40; }, {"added_tokens[0]", "id 40"});
+  expect_bpe_error([](json& t) { t["added_tokens"][0]["id"] = "40"; },
+                   {"added_tokens[0].id must be a token id"});
   expect_bpe_error([](json& t) { t["added_tokens"][1]["content"] = ""; },
                    {"added_tokens[1] must be an object with a non-empty content"});
   TempDir tmp;

@@ -228,8 +228,15 @@ void ByteLevelBpe::read_model(const Reader& r, const json& model) {
 }
 
 // Added tokens: matched in the text before anything else; special ones decode to nothing.
+// Their ids are the ones the tokenizers library gives them when it reads the file, which are not
+// always the file's: a token model.vocab holds keeps its vocabulary id; any other gets the
+// vocabulary's size, or the largest added id + 1 once that is past it; a repeated content is
+// skipped. The file's ids agree in released checkpoints; where they do not, ours agree with
+// tokenizers (the ids the model was trained on), as the session-45 check against it showed.
 void ByteLevelBpe::read_added(const Reader& r, const json& added) {
   if (!added.is_array()) fail(r.src, ": added_tokens must be a list");
+  const int64_t vocab_count = int64_t(vocab_.size());
+  int64_t largest = -1;  // the largest id given to an added token so far
   for (size_t i = 0; i < added.size(); ++i) {
     const std::string field = str("added_tokens[", i, "]");
     const json& a = added[i];
@@ -237,13 +244,21 @@ void ByteLevelBpe::read_added(const Reader& r, const json& added) {
         a["content"].get<std::string>().empty())
       fail(r.src, ": ", field, " must be an object with a non-empty content");
     if (!a.contains("id")) fail(r.src, ": ", field, " has no id");
-    const int32_t id = r.id(a["id"], field + ".id");
+    r.id(a["id"], field + ".id");  // read as tokenizers reads it, then given as it gives it
     const std::string content = a["content"].get<std::string>();
     if (utf8::lossy(content) != content) fail(r.src, ": ", field, ".content is not valid UTF-8");
+    if (std::any_of(added_.begin(), added_.end(),
+                    [&](const Added& x) { return x.content == content; }))
+      continue;
+    int32_t id;
+    if (const auto in_vocab = vocab_.find(content); in_vocab != vocab_.end()) {
+      id = in_vocab->second;
+    } else {
+      id = int32_t(largest >= vocab_count || vocab_count == 0 ? largest + 1 : vocab_count);
+      if (id > (1 << 24)) fail(r.src, ": ", field, " would get id ", id, ", past 2^24");
+    }
+    largest = std::max<int64_t>(largest, id);
     Token& t = token(id);
-    if (!t.unused && t.spelling != content)
-      fail(r.src, ": ", field, " gives id ", id, " to '", content,
-           "', which model.vocab gives to '", t.spelling, "'");
     t.unused = false;
     t.spelling = content;
     t.special = r.flag(a, "special", false, field);

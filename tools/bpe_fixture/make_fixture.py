@@ -128,11 +128,12 @@ SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|en
 def tokenizer_json(vocab, merges, variant):
     n = len(vocab)
     added = []
-    # Two unused ids after the vocabulary, as released tokenizers often have, then the specials.
+    # The added tokens' ids follow the vocabulary's, as in released files (and as the tokenizers
+    # library gives them whatever the file says: Reference.added_ids).
     for i, content in enumerate(SPECIALS):
-        added.append({"id": n + 2 + i, "content": content, "single_word": False, "lstrip": False,
+        added.append({"id": n + i, "content": content, "single_word": False, "lstrip": False,
                       "rstrip": False, "normalized": False, "special": True})
-    added.append({"id": n + 2 + len(SPECIALS), "content": "<tool>", "single_word": False,
+    added.append({"id": n + len(SPECIALS), "content": "<tool>", "single_word": False,
                   "lstrip": True, "rstrip": True, "normalized": False, "special": False})
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                   "use_regex": False}
@@ -157,7 +158,7 @@ def tokenizer_json(vocab, merges, variant):
                       {"Sequence": {"id": "A", "type_id": 0}},
                       {"SpecialToken": {"id": bos, "type_id": 1}},
                       {"Sequence": {"id": "B", "type_id": 1}}],
-             "special_tokens": {bos: {"id": bos, "ids": [n + 2], "tokens": [bos]}}}]}
+             "special_tokens": {bos: {"id": bos, "ids": [n], "tokens": [bos]}}}]}
         model["ignore_merges"] = True
         model["merges"] = [f"{a} {b}" for a, b in merges]
     elif variant == "qwen2":
@@ -192,7 +193,7 @@ class Reference:
             a, b = m.split(" ") if isinstance(m, str) else m
             self.ranks[(a, b)] = r
         self.ignore_merges = model.get("ignore_merges", False)
-        self.added = tk["added_tokens"]
+        self.added = self.added_ids(tk["added_tokens"])
         self.by_id = {i: t for t, i in self.vocab.items()}
         self.special_ids = {t["id"] for t in self.added if t["special"]}
         for t in self.added:
@@ -207,6 +208,22 @@ class Reference:
                     if "Sequence" in item:
                         break
                     self.bos += p["special_tokens"][item["SpecialToken"]["id"]]["ids"]
+
+    def added_ids(self, added):
+        """The added tokens with the ids the tokenizers library gives them on reading the file
+        (AddedVocabulary::add_tokens): a token in the vocabulary keeps its id; any other gets the
+        vocabulary's size, or the largest added id + 1 once that is past it; a repeat is skipped."""
+        out, n = [], len(self.vocab)
+        for t in added:
+            if any(o["content"] == t["content"] for o in out):
+                continue
+            if t["content"] in self.vocab:
+                i = self.vocab[t["content"]]
+            else:
+                largest = max((o["id"] for o in out), default=None)
+                i = n if largest is None else (largest + 1 if largest >= n or n == 0 else n)
+            out.append(dict(t, id=i))
+        return out
 
     def split_added(self, text):
         pieces, start, i = [], 0, 0
