@@ -28,6 +28,7 @@
 
 #include "backend/cpu/fused_linear.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/delta_terms_beside.cuh"
 #include "backend/cuda/fused_linear_decode.cuh"
 #include "backend/cuda/fused_gemm_mma.cuh"
 #include "backend/cuda/fused_linear_prefill.cuh"
@@ -295,6 +296,54 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       expect(name + ", 2 in a row (2nd) " + tag, dy2.to_host(), ref2, decode_bound);
     }
   }
+  // The delta terms beside a GEMM (DeltaTermsBeside, a decode step's gathered rows in the engine):
+  // forked over a buffer one row longer on each side than the rows, poisoned (NaN), the terms at
+  // its second row. The fork zeroes the whole buffer (also with no terms added before the join):
+  // rows outside stay exactly 0, the rows' terms are exactly delta_only's on zeros in
+  // launches of up to 32 rows, and the CPU's base plus them is the whole product.
+  if (rows <= 2 * bcuda::kMaxDecodeRows) {
+    static bcuda::DeltaTermsBeside beside;
+    const size_t span = size_t(rows + 2) * N;
+    DeviceBuffer<float> dt(span), dz(size_t(rows) * N);
+    poison(dt.ptr, span);
+    BITDELTA_CUDA_CHECK(cudaMemset(dz.ptr, 0, dz.n * sizeof(float)));
+    BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+    beside.fork(nullptr, dt.ptr, span);
+    beside.add_terms(wb, N, K, xb, rows, dev_refs, dt.ptr + N);
+    beside.join(nullptr);
+    bcuda::DecodeOptions o;
+    o.delta_only = true;
+    for (int c = 0; c < rows; c += bcuda::kMaxDecodeRows) {
+      const int n = std::min(rows - c, bcuda::kMaxDecodeRows);
+      bcuda::fused_linear_decode(wb, N, K, xb + size_t(c) * K, n, std::span(dev_refs).subspan(size_t(c), size_t(n)),
+                                 dz.ptr + size_t(c) * N, nullptr, o);
+    }
+    BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> got = dt.to_host(), want = dz.to_host();
+    size_t outside = 0, inside = 0;
+    for (size_t i = 0; i < size_t(N); ++i) outside += (got[i] != 0.0f) + (got[span - 1 - i] != 0.0f);
+    for (size_t i = 0; i < want.size(); ++i) inside += !(got[size_t(N) + i] == want[i]);
+    ++checks;
+    if (outside || inside) ++failures;
+    std::printf("%s terms beside: %zu floats outside the rows not 0, %zu inside differ  %s\n",
+                outside || inside ? "FAIL" : "ok  ", outside, inside, tag.c_str());
+    std::vector<DeltaRef> none(rows);
+    std::vector<float> whole(ref.size());
+    bitdelta::cpu::fused_linear_reference(wv, xf, rows, none, nullptr, whole);
+    for (size_t i = 0; i < whole.size(); ++i) whole[i] += got[size_t(N) + i];
+    expect("terms beside + base " + tag, whole, ref, decode_bound);
+    poison(dt.ptr, span);
+    BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+    beside.fork(nullptr, dt.ptr, span);  // no terms: zeroed all the same
+    beside.join(nullptr);
+    BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> zeros = dt.to_host();
+    ++checks;
+    const bool zeroed = std::all_of(zeros.begin(), zeros.end(), [](float f) { return f == 0.0f; });
+    if (!zeroed) ++failures;
+    std::printf("%s terms beside, forked and joined with no terms: buffer zeroed  %s\n", zeroed ? "ok  " : "FAIL",
+                tag.c_str());
+  }
   bool one_variant = true;
   for (int v : row_variant) one_variant = one_variant && v == row_variant[0];
   // W_eff formed from W's loads (DecodeOptions::form_weights): every row of one variant; W_eff in bf16
@@ -551,6 +600,12 @@ int main() {
       check_case(rng, 257, 4096, rows32, 13, true);
       check_case(rng, 130, 1024, rows24, 12, false);
       check_case(rng, 8645, 512, rows32, 13, false);
+    }
+    // 40 rows of several variants: the terms beside a GEMM in two launches (32 and 8 rows).
+    {
+      std::vector<int> rows40(40);
+      for (int r = 0; r < 40; ++r) rows40[r] = r % 6 == 5 ? -1 : (r * 7) % 11;
+      check_case(rng, 257, 4096, rows40, 11, true);
     }
     // Up to 32 rows of one variant: W_eff formed by the streaming kernel (and the decode kernels).
     for (bool per_row : {true, false}) {

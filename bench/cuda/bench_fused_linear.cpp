@@ -335,35 +335,43 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     return st;
   }();
-  const auto route = [&](int s, std::span<const DeltaRef> d, bool add, cudaStream_t st) {
+  // parts: kBoth, or one branch alone (the fork and join kept): what each takes in the same form.
+  // kStreamBase: the streaming kernel with no delta takes the base instead of cuBLAS (alone at 4096²,
+  // 16 rows: 15.5 against 18.5 µs, run 346; beside the terms it gained only at 4096², run 348).
+  enum Parts { kBoth = 3, kBaseAlone = 1, kTermsAlone = 2, kStreamBase = 4 };
+  const auto route = [&](int s, std::span<const DeltaRef> d, bool add, cudaStream_t st, int parts) {
     const int rows = int(d.size());
     auto* terms = static_cast<float*>(yd.ptr);
     beside.fork(st, terms, size_t(rows) * N);
-    beside.add_terms(W(s), N, K, X, rows, d, terms);
-    prefill.run(bcuda::PrefillMethod::kBaseOnly, W(s), N, K, X, rows, DeltaRef{}, Y);
+    if (parts & kTermsAlone) beside.add_terms(W(s), N, K, X, rows, d, terms);
+    if ((parts & kBaseAlone) && (parts & kStreamBase)) {
+      const std::vector<DeltaRef> none(static_cast<size_t>(rows));
+      bcuda::fused_linear_decode(W(s), N, K, X, rows, none, Y, st, {0, 0, kStream});
+    } else if (parts & kBaseAlone)
+      prefill.run(bcuda::PrefillMethod::kBaseOnly, W(s), N, K, X, rows, DeltaRef{}, Y);
     beside.join(st);
     if (add) bcuda::add_to(Y, terms, size_t(rows) * N, st);
   };
   struct Graphs {
-    std::map<std::tuple<const void*, const void*, size_t, bool, int>, cudaGraphExec_t> exec;
+    std::map<std::tuple<const void*, const void*, size_t, bool, int, int>, cudaGraphExec_t> exec;
     ~Graphs() {
       for (auto& [k, e] : exec) cudaGraphExecDestroy(e);
     }
   } graphs;
   // deltas(s): the rows' variants in weight set s.
   const auto side_by_side = [&](int s, const std::function<std::vector<DeltaRef>(int)>& deltas, bool add,
-                                int chain) {
+                                int chain, int parts = kBoth) {
     const std::vector<DeltaRef> d = deltas(s);
-    if (chain == 0) return route(s, d, add, nullptr);
-    cudaGraphExec_t& e = graphs.exec[{W(s), d[0].signs, d.size(), add, chain}];
+    if (chain == 0) return route(s, d, add, nullptr, parts);
+    cudaGraphExec_t& e = graphs.exec[{W(s), d[0].signs, d.size(), add, chain, parts}];
     if (!e) {
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       BITDELTA_CUBLAS_CHECK(cublasSetStream(prefill.handle(), capture));
-      for (int i = 0; i < chain; ++i) route(s + i, deltas(s + i), add, capture);  // scratch at its size first
+      for (int i = 0; i < chain; ++i) route(s + i, deltas(s + i), add, capture, parts);  // scratch at its size first
       BITDELTA_CUDA_CHECK(cudaStreamSynchronize(capture));
       cudaGraph_t g;
       BITDELTA_CUDA_CHECK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < chain; ++i) route(s + i, deltas(s + i), add, capture);
+      for (int i = 0; i < chain; ++i) route(s + i, deltas(s + i), add, capture, parts);
       BITDELTA_CUDA_CHECK(cudaStreamEndCapture(capture, &g));
       BITDELTA_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
       BITDELTA_CUDA_CHECK(cudaGraphDestroy(g));
@@ -383,6 +391,9 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       const ReadFloor fd = read_floor_us(
           [&](int s) { return std::vector<ReadRegion>{{W(s), wbytes}, {delta(s, 0).signs, sbytes}}; }, reps);
       add({shape, "a: floor", "one launch reading W, signs", fd.us, double(wbytes + sbytes), t_cublas, "x cuBLAS"});
+      const double fc = read_floor_chain_us(
+          [&](int s) { return std::vector<ReadRegion>{{W(s), wbytes}, {delta(s, 0).signs, sbytes}}; }, fd, 20);
+      add({shape, "a: floor", "reading W, signs, chain of 20", fc, double(wbytes + sbytes), t_cublas, "x cuBLAS"});
       if (one_row_only)  // how the floor depends on the bytes each multiprocessor keeps in flight
         for (const ReadFloor* r : {&f, &fd}) {
           std::printf("%-12s   (floor %s, every form: KB in flight per SM -> us:", shape.c_str(),
@@ -534,15 +545,16 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     const double roof = bytes / copy_bw * 1e6;
     add({shape, "b: roofline", "bytes / copy bandwidth", roof, bytes, 0, ""});
     {  // The floor at this size: one launch that only reads W and the 16 variants' signs.
-      const ReadFloor f = read_floor_us(
-          [&](int s) {
-            std::vector<ReadRegion> r{{W(s), wbytes}};
-            for (int v = 0; v < kVariants; ++v) r.push_back({delta(s, v).signs, sbytes});
-            return r;
-          },
-          reps);
+      const auto regions = [&](int s) {
+        std::vector<ReadRegion> r{{W(s), wbytes}};
+        for (int v = 0; v < kVariants; ++v) r.push_back({delta(s, v).signs, sbytes});
+        return r;
+      };
+      const ReadFloor f = read_floor_us(regions, reps);
       add({shape, "b: floor", "one launch reading them", f.us, bytes, roof, "x roofline"});
       std::printf("%-12s   (floor's form: %s)\n", shape.c_str(), f.form.c_str());
+      add({shape, "b: floor", "reading them, chain of 20", read_floor_chain_us(regions, f, 20), bytes, roof,
+           "x roofline"});
     }
     const double t_cublas = time_us([&](int s) { cublas_rows(16, s); }, reps);
     add({shape, "b: 16 rows base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});
@@ -603,6 +615,18 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
              std::string(with_add ? "cuBLAS | terms, + add_to" : "cuBLAS | terms, folded") +
                  (chain == 0 ? ", calls" : chain == 1 ? ", graph" : ", graph of 20"),
              ts, bytes, roof, "x roofline"});
+      }
+      // Each branch of the route alone in a graph of 20, and the streaming kernel as its base.
+      for (int parts : {int(kBaseAlone), int(kTermsAlone), kBaseAlone | kStreamBase, kBoth | kStreamBase}) {
+        if ((parts & kStreamBase) && !stream_runs) continue;
+        const double ts = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, parts); }, reps) / 20;
+        const char* name = parts == kBaseAlone                 ? "route's cuBLAS alone, graph of 20"
+                           : parts == kTermsAlone              ? "route's terms alone, graph of 20"
+                           : parts == (kBaseAlone | kStreamBase) ? "stream kernel base alone, graph of 20"
+                                                               : "stream kernel base | terms, folded, graph of 20";
+        add({shape, "b: 16 rows 16 variants", name, ts,
+             parts == kTermsAlone ? bytes - double(wbytes) : (parts & kTermsAlone) ? bytes : double(wbytes), roof,
+             "x roofline"});
       }
     }
     if (stream_runs) {  // x quantized before the call: the linear alone, and the quantizing launch alone

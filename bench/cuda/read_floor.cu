@@ -8,6 +8,7 @@
 #include <string>
 
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/launch.cuh"
 #include "common.h"
 
 namespace bitdelta::bench {
@@ -23,8 +24,12 @@ struct Regions {
 // writes only if the fold hits a value random data almost never gives: the loads cannot be dropped.
 // Trace: per block {entry, end, %smid} into trace (%globaltimer ns), for read_floor_trace; the timed
 // form (Trace false) has none of it.
-template <int U, bool Trace = false>
+// Chained: launched to start while the launch before still runs (programmatic dependent launch, as
+// the engine's decode kernels are, launch.cuh): it lets the next start at once and reads before
+// waiting, as those read weights before their wait.
+template <int U, bool Trace = false, bool Chained = false>
 __global__ void read_kernel(const __grid_constant__ Regions r, unsigned* sink, unsigned long long* trace = nullptr) {
+  if constexpr (Chained) bitdelta::cuda::pdl_launch_dependents();
   if constexpr (Trace) {
     if (threadIdx.x == 0) {
       unsigned long long t;
@@ -50,6 +55,7 @@ __global__ void read_kernel(const __grid_constant__ Regions r, unsigned* sink, u
       acc ^= v.x ^ v.y ^ v.z ^ v.w;
     }
   }
+  if constexpr (Chained) bitdelta::cuda::pdl_wait();
   if (acc == 0x9e3779b9u) sink[0] = acc;
   if constexpr (Trace) {
     __syncthreads();
@@ -104,7 +110,7 @@ ReadFloor read_floor_us(const std::function<std::vector<ReadRegion>(int)>& regio
       read_kernel<8><<<blocks, threads>>>(r, static_cast<unsigned*>(sink.ptr));
     BITDELTA_CUDA_CHECK(cudaGetLastError());
   };
-  ReadFloor best{1e30, "", {}};
+  ReadFloor best{1e30, "", {}, 0, 0, 0};
   for (int threads : {256, 512, 1024})
     for (int per_sm : {1, 2, 4, 8}) {
       if (threads * per_sm > 2048) continue;
@@ -112,11 +118,32 @@ ReadFloor read_floor_us(const std::function<std::vector<ReadRegion>(int)>& regio
         const double t = time_us([&](int rep) { launch(rep, sms * per_sm, threads, unroll); }, reps);
         best.forms.emplace_back(per_sm * threads * unroll * 16 / 1024.0, t);
         if (t < best.us)
-          best.us = t, best.form = std::to_string(per_sm) + " x " + std::to_string(threads) + " threads per SM, " +
-                                   std::to_string(unroll) + " loads of 16 B in flight per thread";
+          best.us = t, best.per_sm = per_sm, best.threads = threads, best.unroll = unroll,
+          best.form = std::to_string(per_sm) + " x " + std::to_string(threads) + " threads per SM, " +
+                      std::to_string(unroll) + " loads of 16 B in flight per thread";
       }
     }
   return best;
+}
+
+double read_floor_chain_us(const std::function<std::vector<ReadRegion>(int)>& regions, const ReadFloor& form,
+                           int calls) {
+  const int blocks = multiprocessors() * form.per_sm;
+  DeviceMem sink(4);
+  return time_chain_us(
+      [&](int rep) {
+        const Regions r = to_regions(regions(rep));
+        cudaLaunchAttribute attr;
+        const cudaLaunchConfig_t cfg =
+            bitdelta::cuda::chained_config(dim3(blocks), dim3(form.threads), 0, nullptr, attr);
+        auto* out = static_cast<unsigned*>(sink.ptr);
+        unsigned long long* none = nullptr;
+        if (form.unroll == 4)
+          BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, read_kernel<4, false, true>, r, out, none));
+        else
+          BITDELTA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, read_kernel<8, false, true>, r, out, none));
+      },
+      calls);
 }
 
 }  // namespace bitdelta::bench

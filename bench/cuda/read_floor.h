@@ -22,12 +22,19 @@ struct ReadFloor {
   // Every form tried: (KB in flight per multiprocessor, median µs), the blocks per multiprocessor ×
   // threads × loads of 16 B in flight per thread, in the order tried.
   std::vector<std::pair<double, double>> forms;
+  int per_sm, threads, unroll;  // the fastest form's blocks per multiprocessor, threads, loads in flight
 };
 
 // regions(rep): what launch rep reads (callers rotate buffers by rep so that L2 never holds them).
 // Every form (blocks per multiprocessor, threads, loads in flight per thread) is timed over reps
 // launches; the fastest median wins.
 ReadFloor read_floor_us(const std::function<std::vector<ReadRegion>(int)>& regions, int reps);
+
+// The same reads in `form` (read_floor_us's fastest), `calls` launches back to back, each free to
+// start while the one before runs and reading before it waits for it (launch.cuh, as the decode
+// step's kernels do): µs per launch, the floor under a chain of such kernels.
+double read_floor_chain_us(const std::function<std::vector<ReadRegion>(int)>& regions, const ReadFloor& form,
+                           int calls);
 
 // One launch of the floor's kernel (per_sm blocks per multiprocessor, 4 loads in flight per thread)
 // reading these regions, each block's {entry, end, %smid} recorded (%globaltimer ns): the timeline
