@@ -254,7 +254,7 @@ void ByteLevelBpe::read_added(const Reader& r, const json& added) {
     if (const auto in_vocab = vocab_.find(content); in_vocab != vocab_.end()) {
       id = in_vocab->second;
     } else {
-      id = int32_t(largest >= vocab_count || vocab_count == 0 ? largest + 1 : vocab_count);
+      id = int32_t(std::max(largest + 1, vocab_count));
       if (id > (1 << 24)) fail(r.src, ": ", field, " would get id ", id, ", past 2^24");
     }
     largest = std::max<int64_t>(largest, id);
