@@ -271,7 +271,7 @@ Sequence Model::fork_sequence(const Sequence& sequence, size_t length) const {
     copy.keys[l].assign(sequence.keys[l].begin(), sequence.keys[l].begin() + long(n));
     copy.values[l].assign(sequence.values[l].begin(), sequence.values[l].begin() + long(n));
   }
-  if (sequence.device_kv) copy.device_kv = device_->clone_kv(*sequence.device_kv);
+  if (sequence.device_kv) copy.device_kv = device_->clone_kv(*sequence.device_kv, length);
   return copy;
 }
 

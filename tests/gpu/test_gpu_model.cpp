@@ -317,7 +317,8 @@ TEST_F(GpuModel, DecodeStepsReplayedAsGraphsMatchStepsLaunchedOneByOne) {
 
 // A forked sequence (Model::fork_sequence: its cache copied on the device) continues like a
 // sequence that prefilled the same prompt itself, apart from the one it was copied from, also past
-// the cache's first capacity (16 positions), where it grows.
+// the cache's first capacity (16 positions), where it grows. A fork of a prefix copies only that
+// prefix's positions.
 TEST_F(GpuModel, ForkedSequenceContinuesLikeOneThatPrefilledItsPrompt) {
   Model model(kDemo / "base", on_cuda());
   const int v = model.add_variant("coder", delta("coder", AlphaMode::Row));
@@ -358,6 +359,17 @@ TEST_F(GpuModel, ForkedSequenceContinuesLikeOneThatPrefilledItsPrompt) {
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < got.size(); ++i)
     ASSERT_NEAR(got[i], want[i], 1e-3 * (1 + std::abs(want[i]))) << "logit " << i;
+
+  // A fork of no positions (nothing copied) prefills the whole prompt like a new sequence.
+  Sequence z = model.fork_sequence(a, 0);
+  EXPECT_EQ(z.length, 0u);
+  std::vector<ForwardRow> rz;
+  for (size_t i = 0; i < prompt.size(); ++i) rz.push_back({&z, prompt[i], i + 1 == prompt.size()});
+  const auto got0 = model.forward(rz);
+  ASSERT_EQ(got0.size(), want.size());
+  for (size_t i = 0; i < got0.size(); ++i)
+    ASSERT_NEAR(got0[i], want[i], 1e-3 * (1 + std::abs(want[i])))
+        << "logit " << i << " (fork of 0)";
 }
 
 // The engine on the device with room for one delta on the GPU: alternating requests evict and

@@ -868,16 +868,23 @@ uint64_t DeviceModel::kv_bytes(const DeviceKV& kv) const {
   return uint64_t(kv.capacity) * c.layers * 2 * c.kv_heads * c.head_dim * sizeof(bf16);
 }
 
-std::shared_ptr<DeviceKV> DeviceModel::clone_kv(const DeviceKV& kv) const {
+std::shared_ptr<DeviceKV> DeviceModel::clone_kv(const DeviceKV& kv, size_t length) const {
   const auto& m = *impl_;
+  const auto& c = m.c;
   BITDELTA_CUDA_CHECK(cudaSetDevice(m.ctx->device));
-  const size_t bytes = kv_bytes(kv);  // the whole buffer
   auto copy = std::make_shared<DeviceKV>();
   copy->ctx = m.ctx;
-  copy->data = static_cast<bf16*>(device_alloc(bytes, m.ctx->stream, "a sequence's KV cache"));
+  copy->data =
+      static_cast<bf16*>(device_alloc(kv_bytes(kv), m.ctx->stream, "a sequence's KV cache"));
   copy->capacity = kv.capacity;
-  BITDELTA_CUDA_CHECK(
-      cudaMemcpyAsync(copy->data, kv.data, bytes, cudaMemcpyDeviceToDevice, m.ctx->stream));
+  // Each layer's keys and values (forward's layout: 2·layers runs of `capacity` positions): their
+  // first `length` positions only, the rest of the copy left for the sequence to write.
+  length = std::min(length, kv.capacity);
+  const size_t row_bytes = size_t(c.kv_heads) * c.head_dim * sizeof(bf16);
+  if (length > 0)
+    BITDELTA_CUDA_CHECK(cudaMemcpy2DAsync(
+        copy->data, kv.capacity * row_bytes, kv.data, kv.capacity * row_bytes, length * row_bytes,
+        size_t(c.layers) * 2, cudaMemcpyDeviceToDevice, m.ctx->stream));
   return copy;
 }
 

@@ -81,8 +81,9 @@ class DeviceModel {
   // row descriptors, which every step copies in before its launches.
   std::vector<float> forward(std::span<const DeviceRow> rows);
   // A copy of a sequence's cache, made on the device's stream after the steps before it: the
-  // cache of a sequence that continues from another's prompt (Model::fork_sequence).
-  std::shared_ptr<DeviceKV> clone_kv(const DeviceKV& kv) const;
+  // cache of a sequence that continues from another's prompt (Model::fork_sequence). Only its
+  // first `length` positions are copied (the copy has the same capacity).
+  std::shared_ptr<DeviceKV> clone_kv(const DeviceKV& kv, size_t length) const;
   uint64_t kv_bytes(const DeviceKV& kv) const;  // the device memory the cache holds
   GraphStats graph_stats() const;
 

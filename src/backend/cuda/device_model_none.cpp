@@ -23,7 +23,7 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights&, const 
 void DeviceModel::install(int, std::shared_ptr<DeviceVariant>) { fail(kWhy); }
 void DeviceModel::remove(int) {}
 std::vector<float> DeviceModel::forward(std::span<const DeviceRow>) { fail(kWhy); }
-std::shared_ptr<DeviceKV> DeviceModel::clone_kv(const DeviceKV&) const {
+std::shared_ptr<DeviceKV> DeviceModel::clone_kv(const DeviceKV&, size_t) const {
   fail(kWhy);
 }
 uint64_t DeviceModel::kv_bytes(const DeviceKV&) const {
