@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Written in session 46 (no device lent then), for the next session's first device call, with
-# balanced_xq_early_w.patch applied and the bundle made from that tree (tools/device_bundle.sh):
-#   git apply bench/cuda/pending/balanced_xq_early_w.patch && tools/device_bundle.sh
+# one_row_xq_early_w.patch applied and the bundle made from that tree (tools/device_bundle.sh):
+#   git apply bench/cuda/pending/one_row_xq_early_w.patch && tools/device_bundle.sh
 #   run(command="bash bench/cuda/pending/run_46.sh", carry=[".device/bundle.tar.xz"])
-# In one call (about 5-6 minutes: an estimate from earlier runs' stage times, not measured):
-#   1. the GPU tests (the fork of a prefix now copies only that prefix: 645eb23) and the kernel
+# In one call (about 6-7 minutes: an estimate from earlier runs' stage times, not measured):
+#   1. the GPU tests (the fork of a prefix now copies only that prefix: 645eb23; the norm and SwiGLU
+#      writing one row quantized; the model tests with that on, the patch's default) and the kernel
 #      checks (the patch's one-row forms: x quantized before, W's first batch before the wait);
 #   2. the one-row bench at the five shapes, with the patch's A/B rows (chains of 20, alternated
 #      twice in one process: default, x quantized before, no delta; each with and without early W);
-#   3. the end-to-end table on this code (the switch off: the patch leaves the default kernels'
+#   3. the end-to-end table on this code (both switches off: the patch leaves the default kernels'
 #      PTX unchanged, compared in session 46), the table's figures other than the cold load being
 #      run 345's until now;
-#   4. the 7B batch-1 steps with early W off and on (BITDELTA_AB_EARLY_W), alternated three times.
-# Keep early W if the batch-1 steps and the chained one-row rows are faster at most shapes and
-# slower at none by more than noise; x quantized before is a ceiling (what the kernel producing x
-# would give if it quantized x too), not an engine path.
+#   4. the 7B batch-1 steps in four forms, alternated twice: early W off/on (BITDELTA_AB_EARLY_W) ×
+#      the norms and SwiGLU writing x quantized for the one-row linears off/on
+#      (BITDELTA_AB_PRODUCER_XQ).
+# Keep a form if the batch-1 variant steps are faster and the chained rows slower nowhere beyond
+# noise (the base's steps do not change with producer xq: it applies to a variant's row only).
 set -uo pipefail
 root=$(pwd)
 export PATH=/usr/local/cuda/bin:$PATH
@@ -27,7 +29,7 @@ stamp() { echo "-- $(( $(date +%s) - t0 )) s: $*"; }
 date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 stamp "gpu tests"
 BITDELTA_CLI_PATH=$root/.device/bin/bitdelta .device/bin/bitdelta_gpu_tests > $OUT/gpu_tests.log 2>&1; echo "rc $?"
-grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|forked" $OUT/gpu_tests.log | head -20
+grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|forked|Quantized" $OUT/gpu_tests.log | head -20
 stamp "kernel tests"
 .device/bin/test_cuda_fused_linear > $OUT/kt.log 2>&1; echo "rc $?"
 grep -E "^FAIL" $OUT/kt.log | head -20; grep -c "early W" $OUT/kt.log; tail -1 $OUT/kt.log
@@ -39,13 +41,16 @@ stamp "7B model"
   --tie 0 --shards 3 --finetune 0 --deltas 14 > /tmp/ms.log 2>&1 || { tail -5 /tmp/ms.log; }
 cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json /tmp/l7b/base/
 stamp "e2e table"
-.device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --out $OUT/e2e.json > $OUT/e2e.log 2>&1; echo "rc $?"
+BITDELTA_AB_PRODUCER_XQ=0 .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --out $OUT/e2e.json > $OUT/e2e.log 2>&1
+echo "rc $?"
 grep -vE "^v[0-9]|replayed as CUDA" $OUT/e2e.log
-stamp "7B batch 1, early W A/B"
-for round in 1 2 3; do
+stamp "7B batch 1: early W x producer xq"
+for round in 1 2; do
   for early in 0 1; do
-    echo "round $round early=$early: $(BITDELTA_AB_EARLY_W=$early .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 \
-      --profile-case "batch 1" 2>&1 | grep -E '^batch' | tr '\n' ' ')"
+    for pxq in 0 1; do
+      echo "round $round early=$early producer_xq=$pxq: $(BITDELTA_AB_EARLY_W=$early BITDELTA_AB_PRODUCER_XQ=$pxq \
+        .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --profile-case "batch 1" 2>&1 | grep -E '^batch' | tr '\n' ' ')"
+    done
   done
 done
 stamp done
