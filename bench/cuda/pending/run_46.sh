@@ -22,6 +22,9 @@ root=$(pwd)
 export PATH=/usr/local/cuda/bin:$PATH
 (cd .device && tar -xJf bundle.tar.xz) || exit 1
 export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64 BITDELTA_SOURCE_DIR=$root
+# The bundle must come from the patched tree (its bench has the patch's A/B rows).
+grep -qa "AB balanced, chain of 20" .device/bin/bench_cuda_fused_linear ||
+  { echo "run_46.sh: the bundle was not built with one_row_xq_early_w.patch applied"; exit 1; }
 L=$OUT/run46.log
 t0=$(date +%s)
 stamp() { echo "-- $(( $(date +%s) - t0 )) s: $*"; }
