@@ -7,8 +7,10 @@
 #   1. the GPU tests (the fork of a prefix now copies only that prefix: 645eb23; the norm and SwiGLU
 #      writing one row quantized; the model tests with that on, the patch's default) and the kernel
 #      checks (the patch's one-row forms: x quantized before, W's first batch before the wait);
-#   2. the one-row bench at the five shapes, with the patch's A/B rows (chains of 20, alternated
-#      twice in one process: default, x quantized before, no delta; each with and without early W);
+#   2. the (b) bench with the route's A/B rows (x's 16 rows quantized before, the terms' quantizing
+#      launch left out: alternated twice with the route as it is, graphs of 20), and the one-row
+#      bench at the five shapes, with the patch's A/B rows (chains of 20, alternated twice in one
+#      process: default, x quantized before, no delta; each with and without early W);
 #   3. the end-to-end table on this code (both switches off: the patch leaves the default kernels'
 #      PTX unchanged, compared in session 46), the table's figures other than the cold load being
 #      run 345's until now;
@@ -35,7 +37,10 @@ BITDELTA_CLI_PATH=$root/.device/bin/bitdelta .device/bin/bitdelta_gpu_tests > $O
 grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|forked|Quantized" $OUT/gpu_tests.log | head -20
 stamp "kernel tests"
 .device/bin/test_cuda_fused_linear > $OUT/kt.log 2>&1; echo "rc $?"
-grep -E "^FAIL" $OUT/kt.log | head -20; grep -c "early W" $OUT/kt.log; tail -1 $OUT/kt.log
+grep -E "^FAIL" $OUT/kt.log | head -20; grep -cE "early W|x quantized before: the same" $OUT/kt.log; tail -1 $OUT/kt.log
+stamp "bench many-variants"
+.device/bin/bench_cuda_fused_linear --many-variants > $OUT/bench_b.log 2>&1; echo "rc $?"
+grep -E "b: roofline|b: floor|AB route|x quantized before|route's" $OUT/bench_b.log
 stamp "bench one-row"
 .device/bin/bench_cuda_fused_linear --one-row > $OUT/bench_a.log 2>&1; echo "rc $?"
 grep -E "AB |x quantized before|reading W, signs, chain|GemmEx" $OUT/bench_a.log
