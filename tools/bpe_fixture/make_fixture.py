@@ -213,15 +213,12 @@ class Reference:
         """The added tokens with the ids the tokenizers library gives them on reading the file
         (AddedVocabulary::add_tokens): a token in the vocabulary keeps its id; any other gets the
         vocabulary's size, or the largest added id + 1 once that is past it; a repeat is skipped."""
-        out, n = [], len(self.vocab)
+        out, n, largest = [], len(self.vocab), -1
         for t in added:
             if any(o["content"] == t["content"] for o in out):
                 continue
-            if t["content"] in self.vocab:
-                i = self.vocab[t["content"]]
-            else:
-                largest = max((o["id"] for o in out), default=None)
-                i = n if largest is None else (largest + 1 if largest >= n or n == 0 else n)
+            i = self.vocab[t["content"]] if t["content"] in self.vocab else max(largest + 1, n)
+            largest = max(largest, i)
             out.append(dict(t, id=i))
         return out
 
