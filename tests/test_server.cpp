@@ -915,6 +915,18 @@ TEST_F(ServerTest, ErrorsInOpenAIShape) {
                "context");
   expect_error(post(c, "/v1/chat/completions", json{{"messages", "hello"}}), 400, "messages");
   expect_error(post(c, "/v1/nothing-here", json::object()), 404, "no route");
+  // A known path asked with a method it is not served with: 405, and the methods it takes.
+  const auto expect_405 = [&](httplib::Result r, const std::string& allow,
+                              const std::string& text) {
+    ASSERT_TRUE(r);
+    expect_error({r->status, json::parse(r->body, nullptr, false), r->body}, 405, text);
+    EXPECT_EQ(r->get_header_value("Allow"), allow);
+  };
+  expect_405(c.Get("/v1/completions"), "POST", "/v1/completions takes POST, not GET");
+  expect_405(c.Delete("/v1/models"), "GET", "/v1/models takes GET, not DELETE");
+  expect_405(c.Post("/v1/models/writer", "{}", "application/json"), "GET", "takes GET, not POST");
+  expect_405(c.Put("/metrics", "", "text/plain"), "GET", "takes GET, not PUT");
+  EXPECT_EQ(c.Delete("/v1/models-list")->status, 404);
   // Loading is off without --variants-dir.
   expect_error(post(c, "/v1/variants/load", json{{"name", "x"}, {"path", "/etc/passwd"}}), 403,
                "--variants-dir");

@@ -6,6 +6,8 @@
 
 #include <cstdio>
 #include <random>
+#include <regex>
+#include <string_view>
 
 #include "bitdelta/error.h"
 #include "bitdelta/server.h"
@@ -124,48 +126,66 @@ Server::Server(Engine& engine, ServerOptions options)
       }
     };
   };
-  http.Post("/v1/completions", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
-              server::handle_generation(ctx, req, res, server::Endpoint::kCompletions);
-            }));
-  http.Post("/v1/chat/completions",
-            guard([&ctx](const httplib::Request& req, httplib::Response& res) {
-              server::handle_generation(ctx, req, res, server::Endpoint::kChat);
-            }));
-  http.Get("/v1/models", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
-             server::handle_models(ctx, req, res);
-           }));
-  http.Get(R"(/v1/models/(.+))",
-           guard([&ctx](const httplib::Request& req, httplib::Response& res) {
-             server::handle_model(ctx, req, res);
-           }));
-  http.Post("/v1/variants/load", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
-              server::handle_load(ctx, req, res);
-            }));
-  http.Post("/v1/variants/unload",
-            guard([&ctx](const httplib::Request& req, httplib::Response& res) {
-              server::handle_unload(ctx, req, res);
-            }));
-  http.Post("/tokenize", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
-              server::handle_tokenize(ctx, req, res);
-            }));
-  http.Post("/detokenize", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
-              server::handle_detokenize(ctx, req, res);
-            }));
-  http.Get("/health", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
-             server::handle_health(ctx, req, res);
-           }));
-  http.Get("/metrics", guard([&ctx](const httplib::Request& req, httplib::Response& res) {
-             server::handle_metrics(ctx, req, res);
-           }));
+  // The routes, one table: registered with httplib below, and read again by the error handler to
+  // tell a known path asked with another method (405) from an unknown one (404).
+  using Handler = void (*)(Context&, const httplib::Request&, httplib::Response&);
+  struct Route {
+    const char* method;
+    const char* pattern;  // a regular expression over the whole path
+    Handler handler;
+  };
+  static const Route kRoutes[] = {
+      {"POST", "/v1/completions",
+       [](Context& c, const httplib::Request& q, httplib::Response& r) {
+         server::handle_generation(c, q, r, server::Endpoint::kCompletions);
+       }},
+      {"POST", "/v1/chat/completions",
+       [](Context& c, const httplib::Request& q, httplib::Response& r) {
+         server::handle_generation(c, q, r, server::Endpoint::kChat);
+       }},
+      {"GET", "/v1/models", server::handle_models},
+      {"GET", "/v1/models/(.+)", server::handle_model},
+      {"POST", "/v1/variants/load", server::handle_load},
+      {"POST", "/v1/variants/unload", server::handle_unload},
+      {"POST", "/tokenize", server::handle_tokenize},
+      {"POST", "/detokenize", server::handle_detokenize},
+      {"GET", "/health", server::handle_health},
+      {"GET", "/metrics", server::handle_metrics},
+  };
+  for (const Route& route : kRoutes) {
+    const auto h = [&ctx, f = route.handler](const httplib::Request& req, httplib::Response& res) {
+      f(ctx, req, res);
+    };
+    if (std::string_view(route.method) == "GET")
+      http.Get(route.pattern, guard(h));
+    else
+      http.Post(route.pattern, guard(h));
+  }
+  // The methods a path is served with ("GET, POST"), empty when none.
+  const auto allowed = [](const std::string& path) {
+    std::string methods;
+    for (const Route& route : kRoutes)
+      if (std::regex_match(path, std::regex(route.pattern)) &&
+          methods.find(route.method) == std::string::npos)
+        methods += (methods.empty() ? "" : ", ") + std::string(route.method);
+    return methods;
+  };
 
   // Responses httplib makes itself (unknown route 404, too large 413, bad request line 400) get a
   // body in the API's error shape.
   http.set_error_handler(httplib::Server::HandlerWithResponse(
-      [&ctx](const httplib::Request& req, httplib::Response& res) {
+      [&ctx, allowed](const httplib::Request& req, httplib::Response& res) {
         if (!res.body.empty() || res.content_length_ > 0)
           return httplib::Server::HandlerResponse::Unhandled;
         std::string message = str("HTTP ", res.status);
-        if (res.status == 404) message = str("no route ", req.method, " ", req.path);
+        if (res.status == 404) {
+          message = str("no route ", req.method, " ", req.path);
+          if (const std::string methods = allowed(req.path); !methods.empty()) {
+            res.status = 405;
+            res.set_header("Allow", methods);
+            message = str(req.path, " takes ", methods, ", not ", req.method);
+          }
+        }
         if (res.status == 413)
           message = str("request body is larger than ", ctx.options.max_body_bytes, " bytes");
         res.set_content(server::dump(server::error_body(res.status, message,
