@@ -38,7 +38,7 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : file_(path
   if (bytes.size() < 8) fail(where, ": truncated safetensors file (", bytes.size(), " bytes, no header length)");
   const uint64_t header_len = read_u64_le(bytes.data());
   if (header_len > bytes.size() - 8)
-    fail(where, ": header length ", header_len, " exceeds file size ", bytes.size());
+    fail(where, ": not a safetensors file (header length ", header_len, " exceeds file size ", bytes.size(), ")");
   if (header_len > kMaxHeaderBytes) fail(where, ": header length ", header_len, " is implausibly large");
   data_start_ = 8 + header_len;
   const uint64_t data_size = bytes.size() - data_start_;
