@@ -37,8 +37,12 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : file_(path
   const auto bytes = file_.bytes();
   if (bytes.size() < 8) fail(where, ": truncated safetensors file (", bytes.size(), " bytes, no header length)");
   const uint64_t header_len = read_u64_le(bytes.data());
-  if (header_len > bytes.size() - 8)
-    fail(where, ": not a safetensors file (header length ", header_len, " exceeds file size ", bytes.size(), ")");
+  if (header_len > bytes.size() - 8) {
+    // A header that starts as one does ('{') is a file cut short; anything else is another kind of file.
+    const bool json_start = bytes.size() > 8 && bytes[8] == std::byte{'{'};
+    fail(where, json_start ? ": truncated safetensors file" : ": not a safetensors file", " (header length ",
+         header_len, " exceeds file size ", bytes.size(), ")");
+  }
   if (header_len > kMaxHeaderBytes) fail(where, ": header length ", header_len, " is implausibly large");
   data_start_ = 8 + header_len;
   const uint64_t data_size = bytes.size() - data_start_;
