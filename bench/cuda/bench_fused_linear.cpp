@@ -52,6 +52,8 @@ using bitdelta::DeltaRef;
 namespace bcuda = bitdelta::cuda;
 using bitdelta::bench::DeviceMem;
 using bitdelta::bench::median;
+using bitdelta::bench::ChainWait;
+using bitdelta::bench::read_floor_chain_best;
 using bitdelta::bench::read_floor_us;
 using bitdelta::bench::ReadFloor;
 using bitdelta::bench::ReadRegion;
@@ -59,6 +61,12 @@ using bitdelta::bench::time_chain_us;
 using bitdelta::bench::time_pair_us;
 using bitdelta::bench::time_us;
 using bf16 = __nv_bfloat16;
+
+// The chained floors of a kernel that reads x written by the launch before (read_floor.h).
+constexpr std::pair<ChainWait, const char*> floor_waits[] = {
+    {ChainWait::kAfter, "after the wait"},
+    {ChainWait::kFirstBatchBefore, "first batch before the wait"},
+    {ChainWait::kFirstBatchToL2, "first batch to L2 before the wait"}};
 
 
 // Fills device memory from a random host pattern of 64 MiB (random bf16 of U(-1,1)·scale, or
@@ -391,16 +399,30 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       const ReadFloor fd = read_floor_us(
           [&](int s) { return std::vector<ReadRegion>{{W(s), wbytes}, {delta(s, 0).signs, sbytes}}; }, reps);
       add({shape, "a: floor", "one launch reading W, signs", fd.us, double(wbytes + sbytes), t_cublas, "x cuBLAS"});
-      const double fc = read_floor_chain_us(
-          [&](int s) { return std::vector<ReadRegion>{{W(s), wbytes}, {delta(s, 0).signs, sbytes}}; }, fd, 20);
+      const auto w_signs = [&](int s) {
+        return std::vector<ReadRegion>{{W(s), wbytes}, {delta(s, 0).signs, sbytes}};
+      };
+      const double fc = read_floor_chain_us(w_signs, fd, 20);
       add({shape, "a: floor", "reading W, signs, chain of 20", fc, double(wbytes + sbytes), t_cublas, "x cuBLAS"});
-      if (one_row_only)  // how the floor depends on the bytes each multiprocessor keeps in flight
-        for (const ReadFloor* r : {&f, &fd}) {
-          std::printf("%-12s   (floor %s, every form: KB in flight per SM -> us:", shape.c_str(),
-                      r == &f ? "W" : "W, signs");
-          for (auto [kb, us] : r->forms) std::printf(" %g->%.2f", kb, us);
+      // The same chain with the reads after each launch's wait for the one before, or only a first
+      // batch before it: the floors of a kernel that needs x from the launch before (every form
+      // tried chained; read_floor.h).
+      std::vector<std::pair<std::string, ReadFloor>> dependent;
+      for (const auto& [wait, tag] : floor_waits) {
+        const ReadFloor fw = read_floor_chain_best(w_signs, 20, wait);
+        add({shape, "a: floor", std::string("reading W, signs, chain of 20, ") + tag, fw.us, double(wbytes + sbytes),
+             t_cublas, "x cuBLAS"});
+        std::printf("%-12s   (floor's form, %s: %s)\n", shape.c_str(), tag, fw.form.c_str());
+        dependent.emplace_back(std::string("W, signs, chained, ") + tag, fw);
+      }
+      if (one_row_only) {  // how the floor depends on the bytes each multiprocessor keeps in flight
+        dependent.insert(dependent.begin(), {{"W", f}, {"W, signs", fd}});
+        for (const auto& [name, r] : dependent) {
+          std::printf("%-12s   (floor %s, every form: KB in flight per SM -> us:", shape.c_str(), name.c_str());
+          for (auto [kb, us] : r.forms) std::printf(" %g->%.2f", kb, us);
           std::printf(")\n");
         }
+      }
     }
     const double bytes = double(wbytes + sbytes) + N * 4.0;
     // One row of variant 0 with these options, timed alone.
@@ -555,6 +577,11 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       std::printf("%-12s   (floor's form: %s)\n", shape.c_str(), f.form.c_str());
       add({shape, "b: floor", "reading them, chain of 20", read_floor_chain_us(regions, f, 20), bytes, roof,
            "x roofline"});
+      for (const auto& [wait, tag] : floor_waits) {  // as (a)'s: a kernel that needs x from the launch before
+        const ReadFloor fw = read_floor_chain_best(regions, 20, wait);
+        add({shape, "b: floor", std::string("reading them, chain of 20, ") + tag, fw.us, bytes, roof, "x roofline"});
+        std::printf("%-12s   (floor's form, %s: %s)\n", shape.c_str(), tag, fw.form.c_str());
+      }
     }
     const double t_cublas = time_us([&](int s) { cublas_rows(16, s); }, reps);
     add({shape, "b: 16 rows base", "cuBLAS GemmEx", t_cublas, double(wbytes), 0, ""});

@@ -30,11 +30,26 @@ struct ReadFloor {
 // launches; the fastest median wins.
 ReadFloor read_floor_us(const std::function<std::vector<ReadRegion>(int)>& regions, int reps);
 
+// Where a chained launch reads against its wait for the launch before (launch.cuh's pdl_wait):
+// - kBefore: all of it before (weights only; the decode kernels' loads of W before their wait, had
+//   they room for all of them);
+// - kAfter: all of it after (what a kernel reads that the launch before wrote, x);
+// - kFirstBatchBefore: each thread's first batch of loads before, into registers, the rest after;
+// - kFirstBatchToL2: each thread's first batch sent to L2 before, all of it read after.
+// The last three bound a kernel that needs x from the launch before and can hold no, or a first
+// batch of, its weights before the wait (the one-row kernel sends its first unit of W to L2).
+enum class ChainWait { kBefore = 0, kAfter = 1, kFirstBatchBefore = 2, kFirstBatchToL2 = 3 };
+
 // The same reads in `form` (read_floor_us's fastest), `calls` launches back to back, each free to
-// start while the one before runs and reading before it waits for it (launch.cuh, as the decode
-// step's kernels do): µs per launch, the floor under a chain of such kernels.
+// start while the one before runs (launch.cuh, as the decode step's kernels do) and reading as
+// `wait` says: µs per launch, the floor under a chain of such kernels.
 double read_floor_chain_us(const std::function<std::vector<ReadRegion>(int)>& regions, const ReadFloor& form,
-                           int calls);
+                           int calls, ChainWait wait = ChainWait::kBefore);
+
+// Every form of read_floor_us, chained as read_floor_chain_us times it: the fastest, with each
+// form's (KB in flight per multiprocessor, µs) in forms.
+ReadFloor read_floor_chain_best(const std::function<std::vector<ReadRegion>(int)>& regions, int calls,
+                                ChainWait wait);
 
 // One launch of the floor's kernel (per_sm blocks per multiprocessor, 4 loads in flight per thread)
 // reading these regions, each block's {entry, end, %smid} recorded (%globaltimer ns): the timeline

@@ -11,6 +11,9 @@
 #      launch left out: alternated twice with the route as it is, graphs of 20), and the one-row
 #      bench at the five shapes, with the patch's A/B rows (chains of 20, alternated twice in one
 #      process: default, x quantized before, no delta; each with and without early W);
+#      Both benches also time the chained read floors of a kernel that needs x from the launch
+#      before (session 47): reads after the wait, or only a first batch before it (in registers, or
+#      to L2), every form tried chained (read_floor.h ChainWait);
 #   3. the end-to-end table on this code (both switches off: the patch leaves the default kernels'
 #      PTX unchanged, compared in session 46), the table's figures other than the cold load being
 #      run 345's until now;
@@ -27,6 +30,8 @@ export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64 BITDELTA_SOURCE_D
 # The bundle must come from the patched tree (its bench has the patch's A/B rows).
 grep -qa "AB balanced, chain of 20" .device/bin/bench_cuda_fused_linear ||
   { echo "run_46.sh: the bundle was not built with one_row_xq_early_w.patch applied"; exit 1; }
+grep -qa "first batch to L2 before the wait" .device/bin/bench_cuda_fused_linear ||
+  { echo "run_46.sh: the bundle predates the dependent chained floors (session 47)"; exit 1; }
 L=$OUT/run46.log
 t0=$(date +%s)
 stamp() { echo "-- $(( $(date +%s) - t0 )) s: $*"; }
@@ -40,10 +45,10 @@ stamp "kernel tests"
 grep -E "^FAIL" $OUT/kt.log | head -20; grep -cE "early W|x quantized before: the same" $OUT/kt.log; tail -1 $OUT/kt.log
 stamp "bench many-variants"
 .device/bin/bench_cuda_fused_linear --many-variants > $OUT/bench_b.log 2>&1; echo "rc $?"
-grep -E "b: roofline|b: floor|AB route|x quantized before|route's" $OUT/bench_b.log
+grep -E "b: roofline|b: floor|floor.s form|AB route|x quantized before|route.s" $OUT/bench_b.log
 stamp "bench one-row"
 .device/bin/bench_cuda_fused_linear --one-row > $OUT/bench_a.log 2>&1; echo "rc $?"
-grep -E "AB |x quantized before|reading W, signs, chain|GemmEx" $OUT/bench_a.log
+grep -E "AB |x quantized before|reading W, signs, chain|floor.s form|GemmEx" $OUT/bench_a.log
 stamp "7B model"
 .device/bin/make_synthetic /tmp/l7b --layers 32 --hidden 4096 --inter 11008 --vocab 32000 --heads 32 --kv-heads 32 \
   --tie 0 --shards 3 --finetune 0 --deltas 14 > /tmp/ms.log 2>&1 || { tail -5 /tmp/ms.log; }
