@@ -11,11 +11,13 @@
 #include <cmath>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <thread>
 
 #include "bitdelta/chat_template.h"
 #include "bitdelta/error.h"
 #include "bitdelta/tokenizer.h"
+#include "server/client_watch.h"
 #include "server/protocol.h"
 #include "server_test_util.h"
 
@@ -1214,20 +1216,26 @@ TEST_F(ServerTest, CorruptDeltaFailsOnlyItsOwnRequestsAndIsRetried) {
   EXPECT_GE(metric(metrics(c), "bitdelta_delta_cache_load_failures_total"), 1);
 }
 
-// A raw socket: send a streaming request, read until the first event arrives, hang up with a
-// reset (SO_LINGER 0), so the server's next write fails at once.
-void stream_and_hang_up(int port, const std::string& body) {
+// A raw socket with `body` sent to /v1/completions on it.
+int send_raw(int port, const std::string& body) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(uint16_t(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
   const std::string request =
       "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
       "Content-Length: " +
       std::to_string(body.size()) + "\r\n\r\n" + body;
-  ASSERT_EQ(::send(fd, request.data(), request.size(), 0), ssize_t(request.size()));
+  EXPECT_EQ(::send(fd, request.data(), request.size(), 0), ssize_t(request.size()));
+  return fd;
+}
+
+// A streaming request: read until the first event arrives, hang up with a reset (SO_LINGER 0), so
+// the server's next write fails at once.
+void stream_and_hang_up(int port, const std::string& body) {
+  const int fd = send_raw(port, body);
   std::string got;
   char buf[4096];
   while (got.find("data: ") == std::string::npos) {
@@ -1241,16 +1249,63 @@ void stream_and_hang_up(int port, const std::string& body) {
   ::close(fd);
 }
 
+// A request that is not streamed: hang up `after` sending it (a plain close, as a client's
+// timeout).
+void send_and_hang_up(int port, const std::string& body, std::chrono::milliseconds after) {
+  const int fd = send_raw(port, body);
+  std::this_thread::sleep_for(after);
+  ::close(fd);
+}
+
 size_t count_of(const std::string& text, const std::string& what) {
   size_t n = 0;
   for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
   return n;
 }
 
+// Up to five times: hang_up(attempt) sends a request of `tokens` tokens in all and hangs up, then
+// the running batch and the queue must empty, and the log show the request either cancelled (its
+// line has `cancelled`) or finished with all its tokens before the hang-up reached the server (a
+// fast machine, a client descheduled: it tests nothing, so it is made again). True when one was
+// cancelled.
+bool cancelled_by_hang_up(test::ServerProcess& server, httplib::Client& c,
+                          const std::string& cancelled, int tokens,
+                          const std::function<void(int attempt)>& hang_up) {
+  const std::string finished = "completion_tokens=" + std::to_string(tokens) + " ";
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const std::string before = server.log();
+    const size_t cancelled_before = count_of(before, cancelled),
+                 finished_before = count_of(before, finished);
+    hang_up(attempt);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    double running = -1;
+    std::string log;
+    while (std::chrono::steady_clock::now() < deadline) {
+      running = metric(metrics(c), "bitdelta_running_sequences");
+      log = server.log();
+      if (running == 0 && (count_of(log, cancelled) > cancelled_before ||
+                           count_of(log, finished) > finished_before))
+        break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    EXPECT_EQ(running, 0) << log;
+    EXPECT_EQ(metric(metrics(c), "bitdelta_queue_length"), 0) << log;
+    if (count_of(log, cancelled) > cancelled_before) return true;
+    EXPECT_GT(count_of(log, finished), finished_before)
+        << "the request neither finished nor was cancelled:\n"
+        << log;
+    if (count_of(log, finished) <= finished_before) return false;
+  }
+  ADD_FAILURE() << "five requests all finished before their client hung up:\n" << server.log();
+  return false;
+}
+
 TEST_F(ServerTest, ClientDisconnectMidStreamFreesItsSlot) {
   auto server = start();
   auto c = server->client();
-  // One sequence, then four (n = 4): hanging up must stop every one of them.
+  // One sequence, then four (n = 4): hanging up must stop every one of them. (The tiny model
+  // writes all 250 tokens in about 20 ms, so a client descheduled that long after the first event
+  // hangs up on a stream that has already ended: cancelled_by_hang_up makes it again.)
   for (const int n : {1, 4}) {
     SCOPED_TRACE("n = " + std::to_string(n));
     const json body = {{"model", "coder"},
@@ -1260,39 +1315,38 @@ TEST_F(ServerTest, ClientDisconnectMidStreamFreesItsSlot) {
                        {"ignore_eos", true},
                        {"stream", true},
                        {"n", n}};
-    // The tiny model writes all 250 tokens in about 20 ms; a client descheduled that long after
-    // the first event hangs up on a stream that has already ended, which tests nothing. Such an
-    // attempt is recognized in the log (the request finished with all its tokens) and made again.
-    const std::string cancelled = "cancelled: client disconnected";
-    const std::string finished = "completion_tokens=" + std::to_string(250 * n) + " ";
-    bool seen = false;
-    for (int attempt = 0; attempt < 5 && !seen; ++attempt) {
-      const std::string before = server->log();
-      const size_t cancelled_before = count_of(before, cancelled),
-                   finished_before = count_of(before, finished);
-      stream_and_hang_up(server->port(), body.dump());
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-      double running = -1;
-      std::string log;
-      while (std::chrono::steady_clock::now() < deadline) {
-        running = metric(metrics(c), "bitdelta_running_sequences");
-        log = server->log();
-        if (running == 0 && (count_of(log, cancelled) > cancelled_before ||
-                             count_of(log, finished) > finished_before))
-          break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-      EXPECT_EQ(running, 0) << log;
-      EXPECT_EQ(metric(metrics(c), "bitdelta_queue_length"), 0) << log;
-      seen = count_of(log, cancelled) > cancelled_before;
-      if (!seen) {
-        ASSERT_GT(count_of(log, finished), finished_before)
-            << "the request neither finished nor was cancelled:\n"
-            << log;
-      }
-    }
-    EXPECT_TRUE(seen) << "five streams all ended before their client hung up:\n" << server->log();
+    EXPECT_TRUE(
+        cancelled_by_hang_up(*server, c, "cancelled: client disconnected", 250 * n,
+                             [&](int) { stream_and_hang_up(server->port(), body.dump()); }));
   }
+  EXPECT_EQ(post(c, "/v1/completions", json{{"model", "coder"}, {"prompt", "x"}, {"max_tokens", 2}})
+                .status,
+            200);
+}
+
+// A client that is not streaming hangs up (its timeout) while its sequences run: they stop, and
+// the request is logged and counted as 499, not finished for nobody.
+TEST_F(ServerTest, ClientDisconnectBeforeTheAnswerStopsItsSequences) {
+  auto server = start();
+  auto c = server->client();
+  // 64 sequences of 250 tokens (32 took 0.13 s here): longer than the server waits before it
+  // watches the socket (ClientWatch::kLookAfter); each attempt hangs up sooner.
+  const int n = 64, tokens = 250;
+  const json body = {{"model", "coder"}, {"prompt", "the"},    {"max_tokens", tokens},
+                     {"temperature", 0}, {"ignore_eos", true}, {"n", n}};
+  EXPECT_TRUE(cancelled_by_hang_up(*server, c, "status=499", n * tokens, [&](int attempt) {
+    send_and_hang_up(server->port(), body.dump(),
+                     server::ClientWatch::kLookAfter + std::chrono::milliseconds(20 >> attempt));
+  }));
+  EXPECT_NE(server->log().find("model=coder status=499"), std::string::npos)
+      << server->log();
+  EXPECT_NE(server->log().find("cancelled: client disconnected"), std::string::npos)
+      << server->log();
+  EXPECT_EQ(metric(metrics(c), "bitdelta_http_responses_total",
+                   "route=\"/v1/completions\",status=\"499\""),
+            double(1))
+      << metrics(c);
+  // A client that stays gets its answer as before.
   EXPECT_EQ(post(c, "/v1/completions", json{{"model", "coder"}, {"prompt", "x"}, {"max_tokens", 2}})
                 .status,
             200);

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "bitdelta/error.h"
+#include "server/client_watch.h"
 
 namespace bitdelta::server {
 
@@ -358,6 +359,18 @@ void handle_generation(Context& ctx, const httplib::Request& req, httplib::Respo
     return;
   }
 
+  // Until the answer starts, the handler waits here; a client that hangs up meanwhile (a timeout)
+  // stops its sequences instead of leaving the engine to generate for nobody. 499: nginx's "client
+  // closed request", for the log and /metrics (nothing reaches the client).
+  ClientWatch watch(req);
+  const auto hung_up = [&] {
+    if (!watch.gone()) return false;
+    x->stop();
+    send_error(ctx, res, x->route, 499, "the client closed the connection before its answer");
+    log_request(*x, 499, nullptr, "cancelled: client disconnected");
+    return true;
+  };
+
   if (!x->request.stream) {
     while (true) {
       for (auto& e : x->pending) {
@@ -389,6 +402,7 @@ void handle_generation(Context& ctx, const httplib::Request& req, httplib::Respo
         return;
       }
       x->pending = x->mailbox->take(kPoll);
+      if (hung_up()) return;
     }
   }
 
@@ -406,6 +420,7 @@ void handle_generation(Context& ctx, const httplib::Request& req, httplib::Respo
       return;  // ~Exchange cancels
     }
     for (auto& e : x->mailbox->take(kPoll)) x->pending.push_back(std::move(e));
+    if (!has_answer() && hung_up()) return;
   }
   for (const auto& e : x->pending)
     if (e.kind == Event::Kind::kError) {
