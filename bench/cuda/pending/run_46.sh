@@ -8,7 +8,8 @@
 #      writing one row quantized; the model tests with that on, the patch's default) and the kernel
 #      checks (the patch's one-row forms: x quantized before, W's first batch before the wait);
 #   2. the (b) bench with the route's A/B rows (x's 16 rows quantized before, the terms' quantizing
-#      launch left out: alternated twice with the route as it is, graphs of 20), and the one-row
+#      launch left out: alternated twice with the route as it is, graphs of 20; session 47: and with
+#      the streaming kernel as the base too, which cuBLAS's launches cannot do), and the one-row
 #      bench at the five shapes, with the patch's A/B rows (chains of 20, alternated twice in one
 #      process: default, x quantized before, no delta; each with and without early W);
 #      Both benches also time the chained read floors of a kernel that needs x from the launch
@@ -30,7 +31,8 @@ export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64 BITDELTA_SOURCE_D
 # The bundle must come from the patched tree (its bench has the patch's A/B rows).
 grep -qa "AB balanced, chain of 20" .device/bin/bench_cuda_fused_linear ||
   { echo "run_46.sh: the bundle was not built with one_row_xq_early_w.patch applied"; exit 1; }
-grep -qa "first batch to L2 before the wait" .device/bin/bench_cuda_fused_linear ||
+grep -qa "first batch to L2 before the wait" .device/bin/bench_cuda_fused_linear &&
+  grep -qa "x quantized before, stream base" .device/bin/bench_cuda_fused_linear ||
   { echo "run_46.sh: the bundle predates the dependent chained floors (session 47)"; exit 1; }
 L=$OUT/run46.log
 t0=$(date +%s)
