@@ -197,11 +197,9 @@ TEST_F(Cli, BadArgumentsAreRefusedInOneLine) {
                  {"--output-len must be >= 1"});
   expect_failure("compres " + p("base"), {"unknown subcommand 'compres'", "compress, inspect"});
   // A config file's counts, with a missing base: a count let through would fail on that instead.
-  const std::pair<const char*, nlohmann::json> bad[] = {{"threads", -1},
-                                                        {"max_running", 2.5},
-                                                        {"max_queue", "8"},
-                                                        {"http_threads", -4},
-                                                        {"port", 70000}};
+  const std::pair<const char*, nlohmann::json> bad[] = {
+      {"threads", -1},      {"max_running", 2.5}, {"max_queue", "8"},
+      {"http_threads", -4}, {"port", 70000},      {"allowed_origins", "http://a.example"}};
   for (const auto& [field, value] : bad) {
     const fs::path config = dir_ / "scratch" / "serve.json";
     test::write_text(config, nlohmann::json{{"base", p("missing")}, {field, value}}.dump());

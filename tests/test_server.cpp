@@ -924,10 +924,11 @@ TEST_F(ServerTest, ErrorsInOpenAIShape) {
     expect_error({r->status, json::parse(r->body, nullptr, false), r->body}, 405, text);
     EXPECT_EQ(r->get_header_value("Allow"), allow);
   };
-  expect_405(c.Get("/v1/completions"), "POST", "/v1/completions takes POST, not GET");
-  expect_405(c.Delete("/v1/models"), "GET", "/v1/models takes GET, not DELETE");
-  expect_405(c.Post("/v1/models/writer", "{}", "application/json"), "GET", "takes GET, not POST");
-  expect_405(c.Put("/metrics", "", "text/plain"), "GET", "takes GET, not PUT");
+  expect_405(c.Get("/v1/completions"), "POST, OPTIONS", "/v1/completions takes POST, not GET");
+  expect_405(c.Delete("/v1/models"), "GET, OPTIONS", "/v1/models takes GET, not DELETE");
+  expect_405(c.Post("/v1/models/writer", "{}", "application/json"), "GET, OPTIONS",
+             "takes GET, not POST");
+  expect_405(c.Put("/metrics", "", "text/plain"), "GET, OPTIONS", "takes GET, not PUT");
   EXPECT_EQ(c.Delete("/v1/models-list")->status, 404);
   // Loading is off without --variants-dir.
   expect_error(post(c, "/v1/variants/load", json{{"name", "x"}, {"path", "/etc/passwd"}}), 403,
@@ -1044,6 +1045,73 @@ TEST_F(ServerTest, ApiKeyRequiredOnV1) {
   ASSERT_TRUE(models);
   EXPECT_EQ(models->status, 401);
   EXPECT_EQ(c.Get("/health")->status, 200);
+}
+
+// A page of an allowed origin may call the API from a browser: the preflight (OPTIONS, no key) is
+// answered with the path's methods, and every answer (an error too) names the origin. Another
+// origin, or a server started without --allowed-origin, gets no such header; OPTIONS still lists
+// the methods.
+TEST_F(ServerTest, BrowserPagesOfAllowedOriginsMayCallIt) {
+  const std::string page = "http://chat.example:3000";
+  auto server = start({"--api-key", "sekrit", "--allowed-origin", page});
+  auto c = server->client();
+  const httplib::Headers preflight = {
+      {"Origin", page},
+      {"Access-Control-Request-Method", "POST"},
+      {"Access-Control-Request-Headers", "authorization,content-type"}};
+  auto p = c.Options("/v1/chat/completions", preflight);
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->status, 204);
+  EXPECT_EQ(p->get_header_value("Access-Control-Allow-Origin"), page);
+  EXPECT_EQ(p->get_header_value("Access-Control-Allow-Methods"), "POST");
+  EXPECT_EQ(p->get_header_value("Access-Control-Allow-Headers"), "authorization,content-type");
+  EXPECT_EQ(p->get_header_value("Allow"), "POST, OPTIONS");
+  EXPECT_EQ(p->get_header_value("Vary"), "Origin");
+  // The call itself: answered (or refused without the key) with the origin named.
+  const json req = {{"prompt", "x"}, {"max_tokens", 2}};
+  auto ok = c.Post("/v1/completions", {{"Origin", page}, {"Authorization", "Bearer sekrit"}},
+                   req.dump(), "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+  EXPECT_EQ(ok->get_header_value("Access-Control-Allow-Origin"), page);
+  auto refused = c.Post("/v1/completions", {{"Origin", page}}, req.dump(), "application/json");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 401);
+  EXPECT_EQ(refused->get_header_value("Access-Control-Allow-Origin"), page);
+  auto streamed =
+      c.Post("/v1/completions", {{"Origin", page}, {"Authorization", "Bearer sekrit"}},
+             json{{"prompt", "x"}, {"max_tokens", 2}, {"stream", true}}.dump(), "application/json");
+  ASSERT_TRUE(streamed);
+  EXPECT_EQ(streamed->status, 200);
+  EXPECT_EQ(streamed->get_header_value("Access-Control-Allow-Origin"), page);
+  // Another origin: no permission given.
+  auto other = c.Options("/v1/chat/completions", {{"Origin", "http://evil.example"},
+                                                  {"Access-Control-Request-Method", "POST"}});
+  ASSERT_TRUE(other);
+  EXPECT_EQ(other->status, 204);
+  EXPECT_FALSE(other->has_header("Access-Control-Allow-Origin"));
+  EXPECT_FALSE(other->has_header("Access-Control-Allow-Methods"));
+  auto unknown = c.Options("/v1/nothing", preflight);
+  ASSERT_TRUE(unknown);
+  EXPECT_EQ(unknown->status, 404);
+
+  // "*": any origin. None given: no header for anyone.
+  auto any = start({"--allowed-origin", "*"});
+  auto ca = any->client();
+  auto h = ca.Get("/v1/models", {{"Origin", "http://anything.example"}});
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->get_header_value("Access-Control-Allow-Origin"), "*");
+  EXPECT_FALSE(h->has_header("Vary"));
+  auto closed = start();
+  auto cc = closed->client();
+  auto m = cc.Get("/v1/models", {{"Origin", page}});
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->status, 200);
+  EXPECT_FALSE(m->has_header("Access-Control-Allow-Origin"));
+  auto o = cc.Options("/v1/models", {{"Origin", page}});
+  ASSERT_TRUE(o);
+  EXPECT_EQ(o->status, 204);
+  EXPECT_EQ(o->get_header_value("Allow"), "GET, OPTIONS");
 }
 
 TEST_F(ServerTest, DifferentVariantsShareSteps) {
@@ -1448,6 +1516,7 @@ TEST_F(ServerTest, ConfigFileWithFineTuneDirectoryAndPins) {
                    {"cache_dir", (scratch / "cache").string()},
                    {"max_running", 4},
                    {"cuda_graphs", false},  // (read; the CPU has no graphs)
+                   {"allowed_origins", {"http://a.example", "http://b.example"}},
                    {"variants",
                     {{{"name", "coder"}, {"path", f.delta("coder").string()}, {"pinned", true}},
                      {{"name", "tuned"}, {"path", (f.dir / "finetunes" / "math").string()}}}}}
@@ -1455,7 +1524,10 @@ TEST_F(ServerTest, ConfigFileWithFineTuneDirectoryAndPins) {
   ServerProcess server({"--config", config.string()}, scratch / "config.log");
   EXPECT_TRUE(fs::exists(scratch / "cache" / "tuned.bitdelta")) << server.log();
   auto c = server.client();
-  const json models = json::parse(c.Get("/v1/models")->body);
+  const auto listed = c.Get("/v1/models", {{"Origin", "http://b.example"}});
+  ASSERT_TRUE(listed);
+  EXPECT_EQ(listed->get_header_value("Access-Control-Allow-Origin"), "http://b.example");
+  const json models = json::parse(listed->body);
   ASSERT_EQ(models["data"].size(), 3u);
   for (const auto& m : models["data"]) {
     if (m["id"] == "coder") {

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "bitdelta/engine.h"
 
@@ -23,6 +24,9 @@ struct ServerOptions {
   size_t http_threads = 64;            // connections served at once (each waits on its request);
                                        // at most kMaxHttpThreads
   size_t max_body_bytes = 16u << 20;   // larger request bodies are refused (413)
+  // Origins whose pages may read the answers (CORS: Access-Control-Allow-Origin); "*" any. Empty:
+  // none (a browser page of another origin cannot call the server).
+  std::vector<std::string> allowed_origins;
 };
 
 class Server {

@@ -1,6 +1,6 @@
 // bitdelta serve [BASE] [--variant NAME=DELTA_OR_FT_DIR ...] [--config FILE] [--host H] [--port P]
-//   [--api-key KEY] [--max-batch-tokens N] [--max-running N] [--max-queue N] [--delta-cache-bytes
-//   B]
+//   [--api-key KEY] [--allowed-origin ORIGIN ...] [--max-batch-tokens N] [--max-running N]
+//   [--max-queue N] [--delta-cache-bytes B]
 //   [--pin NAME ...] [--protect-top N] [--variants-dir DIR] [--cache-dir DIR] [--threads N]
 // With no BASE and no config it serves the demo family: models/demo/base and its four fine-tunes,
 // compressed once into build/demo/<name>.bitdelta.
@@ -115,6 +115,7 @@ void read_config(const fs::path& file, ServeArgs& a, std::vector<VariantSpec>& v
   if (a.server.port < 0 || a.server.port > 65535)
     fail(file.string(), ": field port must be 0 to 65535, got ", a.server.port);
   get("api_key", a.server.api_key);
+  get("allowed_origins", a.server.allowed_origins);
   get("base_name", a.engine.base_name);
   get("threads", a.engine.threads);
   get("device", a.engine.device);
@@ -254,6 +255,9 @@ void add_serve_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", a->server.api_key, "Require Authorization: Bearer KEY on /v1/*");
+  cmd->add_option("--allowed-origin", a->server.allowed_origins,
+                  "Origin whose browser pages may call the API (CORS; * for any; repeatable; "
+                  "default: none)");
   cmd->add_option("--base-name", a->engine.base_name, "Model name of the base")
       ->capture_default_str();
   cmd->add_option("--max-batch-tokens", a->engine.max_batch_tokens, "Rows per forward step")
@@ -291,6 +295,7 @@ void add_serve_command(CLI::App& app) {
     if (given("--host") || args.server.host.empty()) args.server.host = a->server.host;
     if (given("--port")) args.server.port = a->server.port;
     if (given("--api-key")) args.server.api_key = a->server.api_key;
+    if (given("--allowed-origin")) args.server.allowed_origins = a->server.allowed_origins;
     if (given("--base-name")) args.engine.base_name = a->engine.base_name;
     if (given("--max-batch-tokens")) args.engine.max_batch_tokens = a->engine.max_batch_tokens;
     if (given("--max-running")) args.engine.max_running = a->engine.max_running;

@@ -4,6 +4,7 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <random>
 #include <regex>
@@ -99,33 +100,6 @@ Server::Server(Engine& engine, ServerOptions options)
   http.set_read_timeout(30);
   http.set_write_timeout(30);
 
-  http.set_pre_routing_handler([&ctx](const httplib::Request& req, httplib::Response& res) {
-    const bool guarded =
-        req.path.rfind("/v1/", 0) == 0 || req.path == "/tokenize" || req.path == "/detokenize";
-    if (guarded && !authorized(ctx, req)) {
-      server::send_error(ctx, res, "auth", 401,
-                         "invalid or missing API key (send Authorization: Bearer <key>)",
-                         "invalid_api_key");
-      return httplib::Server::HandlerResponse::Handled;
-    }
-    return httplib::Server::HandlerResponse::Unhandled;
-  });
-
-  // Every handler catches what it expects; anything else becomes a 500 here, never a crash.
-  const auto guard = [&ctx](auto handler) {
-    return [&ctx, handler](const httplib::Request& req, httplib::Response& res) {
-      try {
-        handler(req, res);
-      } catch (const std::exception& e) {
-        server::send_error(ctx, res, req.path, 500, str("internal error: ", e.what()));
-        std::fprintf(stderr, "[serve] %s status=500 internal error: %s\n", req.path.c_str(),
-                     e.what());
-      } catch (...) {
-        server::send_error(ctx, res, req.path, 500, "internal error");
-        std::fprintf(stderr, "[serve] %s status=500 internal error\n", req.path.c_str());
-      }
-    };
-  };
   // The routes, one table: registered with httplib below, and read again by the error handler to
   // tell a known path asked with another method (405) from an unknown one (404).
   using Handler = void (*)(Context&, const httplib::Request&, httplib::Response&);
@@ -152,15 +126,6 @@ Server::Server(Engine& engine, ServerOptions options)
       {"GET", "/health", server::handle_health},
       {"GET", "/metrics", server::handle_metrics},
   };
-  for (const Route& route : kRoutes) {
-    const auto h = [&ctx, f = route.handler](const httplib::Request& req, httplib::Response& res) {
-      f(ctx, req, res);
-    };
-    if (std::string_view(route.method) == "GET")
-      http.Get(route.pattern, guard(h));
-    else
-      http.Post(route.pattern, guard(h));
-  }
   // The methods a path is served with ("GET, POST"), empty when none.
   const auto allowed = [](const std::string& path) {
     std::string methods;
@@ -171,6 +136,70 @@ Server::Server(Engine& engine, ServerOptions options)
     return methods;
   };
 
+  // Browsers (a chat page of another origin): each response says an allowed Origin may read it,
+  // and OPTIONS is answered here for every known path, before the key check (a browser's preflight
+  // carries no credentials), with the methods the path takes.
+  http.set_pre_routing_handler([&ctx, allowed](const httplib::Request& req,
+                                               httplib::Response& res) {
+    const std::string origin = req.get_header_value("Origin");
+    const auto& origins = ctx.options.allowed_origins;
+    const bool any = std::find(origins.begin(), origins.end(), "*") != origins.end();
+    const bool cors = !origin.empty() &&
+                      (any || std::find(origins.begin(), origins.end(), origin) != origins.end());
+    if (cors) {
+      res.set_header("Access-Control-Allow-Origin", any ? "*" : origin);
+      if (!any) res.set_header("Vary", "Origin");
+    }
+    if (req.method == "OPTIONS") {
+      const std::string methods = allowed(req.path);
+      if (methods.empty()) return httplib::Server::HandlerResponse::Unhandled;  // 404
+      res.status = 204;
+      res.set_header("Allow", methods + ", OPTIONS");
+      if (cors) {
+        res.set_header("Access-Control-Allow-Methods", methods);
+        const std::string asked = req.get_header_value("Access-Control-Request-Headers");
+        res.set_header("Access-Control-Allow-Headers",
+                       asked.empty() ? "Authorization, Content-Type" : asked);
+        res.set_header("Access-Control-Max-Age", "600");
+      }
+      ctx.http.count("other", 204);
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    const bool guarded =
+        req.path.rfind("/v1/", 0) == 0 || req.path == "/tokenize" || req.path == "/detokenize";
+    if (guarded && !authorized(ctx, req)) {
+      server::send_error(ctx, res, "auth", 401,
+                         "invalid or missing API key (send Authorization: Bearer <key>)",
+                         "invalid_api_key");
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+
+  // Every handler catches what it expects; anything else becomes a 500 here, never a crash.
+  const auto guard = [&ctx](auto handler) {
+    return [&ctx, handler](const httplib::Request& req, httplib::Response& res) {
+      try {
+        handler(req, res);
+      } catch (const std::exception& e) {
+        server::send_error(ctx, res, req.path, 500, str("internal error: ", e.what()));
+        std::fprintf(stderr, "[serve] %s status=500 internal error: %s\n", req.path.c_str(),
+                     e.what());
+      } catch (...) {
+        server::send_error(ctx, res, req.path, 500, "internal error");
+        std::fprintf(stderr, "[serve] %s status=500 internal error\n", req.path.c_str());
+      }
+    };
+  };
+  for (const Route& route : kRoutes) {
+    const auto h = [&ctx, f = route.handler](const httplib::Request& req, httplib::Response& res) {
+      f(ctx, req, res);
+    };
+    if (std::string_view(route.method) == "GET")
+      http.Get(route.pattern, guard(h));
+    else
+      http.Post(route.pattern, guard(h));
+  }
   // Responses httplib makes itself (unknown route 404, too large 413, bad request line 400) get a
   // body in the API's error shape.
   http.set_error_handler(httplib::Server::HandlerWithResponse(
@@ -182,7 +211,7 @@ Server::Server(Engine& engine, ServerOptions options)
           message = str("no route ", req.method, " ", req.path);
           if (const std::string methods = allowed(req.path); !methods.empty()) {
             res.status = 405;
-            res.set_header("Allow", methods);
+            res.set_header("Allow", methods + ", OPTIONS");
             message = str(req.path, " takes ", methods, ", not ", req.method);
           }
         }
