@@ -1114,6 +1114,41 @@ TEST_F(ServerTest, BrowserPagesOfAllowedOriginsMayCallIt) {
   EXPECT_EQ(o->get_header_value("Allow"), "GET, OPTIONS");
 }
 
+// A client's X-Request-Id comes back on the answer (streamed or not, an error too) and is in the
+// request's log line; one that is not 1 to 128 visible ASCII characters is ignored.
+TEST_F(ServerTest, RequestIdIsEchoedAndLogged) {
+  auto server = start();
+  auto c = server->client();
+  const std::string req = json{{"prompt", "x"}, {"max_tokens", 2}}.dump();
+  auto plain = c.Post("/v1/completions", {{"X-Request-Id", "gw-7f3a"}}, req, "application/json");
+  ASSERT_TRUE(plain);
+  EXPECT_EQ(plain->status, 200);
+  EXPECT_EQ(plain->get_header_value("X-Request-Id"), "gw-7f3a");
+  auto streamed =
+      c.Post("/v1/completions", {{"X-Request-Id", "gw-stream"}},
+             json{{"prompt", "x"}, {"max_tokens", 2}, {"stream", true}}.dump(), "application/json");
+  ASSERT_TRUE(streamed);
+  EXPECT_EQ(streamed->get_header_value("X-Request-Id"), "gw-stream");
+  auto bad = c.Post("/v1/completions", {{"X-Request-Id", "gw-bad"}}, "{", "application/json");
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 400);
+  EXPECT_EQ(bad->get_header_value("X-Request-Id"), "gw-bad");
+  for (const std::string& odd : {std::string("has space"), std::string(129, 'a')}) {
+    auto r = c.Post("/v1/completions", {{"X-Request-Id", odd}}, req, "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+    EXPECT_FALSE(r->has_header("X-Request-Id")) << odd;
+  }
+  auto none = c.Post("/v1/completions", req, "application/json");
+  ASSERT_TRUE(none);
+  EXPECT_FALSE(none->has_header("X-Request-Id"));
+  const std::string log = server->log();
+  EXPECT_NE(log.find("status=200 prompt_tokens="), std::string::npos) << log;
+  for (const char* id : {"request_id=gw-7f3a", "stream request_id=gw-stream", "request_id=gw-bad"})
+    EXPECT_NE(log.find(id), std::string::npos) << id << "\n" << log;
+  EXPECT_EQ(log.find("request_id=has"), std::string::npos) << log;
+}
+
 TEST_F(ServerTest, DifferentVariantsShareSteps) {
   auto server = start();
   auto c = server->client();

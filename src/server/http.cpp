@@ -141,6 +141,8 @@ Server::Server(Engine& engine, ServerOptions options)
   // carries no credentials), with the methods the path takes.
   http.set_pre_routing_handler([&ctx, allowed](const httplib::Request& req,
                                                httplib::Response& res) {
+    if (const std::string id = server::request_id(req); !id.empty())
+      res.set_header("X-Request-Id", id);
     const std::string origin = req.get_header_value("Origin");
     const auto& origins = ctx.options.allowed_origins;
     const bool any = std::find(origins.begin(), origins.end(), "*") != origins.end();

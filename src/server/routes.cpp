@@ -69,6 +69,7 @@ struct Exchange {
   std::vector<std::shared_ptr<RequestHandle>> handles;  // one per sequence
   std::deque<Event> pending;
   std::string route;
+  std::string request_id;  // the client's X-Request-Id, or empty
   bool finished = false;
   std::vector<char> started;          // streaming: the sequence's first chunk went out
   std::vector<FinishReason> reasons;  // per sequence, once done
@@ -160,7 +161,10 @@ const char* code_for(EngineError::Kind kind) {
   return "";
 }
 
-void log_request(const Exchange& x, int status, const Usage* usage, const std::string& note) {
+void log_request(const Exchange& x, int status, const Usage* usage, const std::string& note_in) {
+  const std::string note =
+      x.request_id.empty() ? note_in
+                           : note_in + (note_in.empty() ? "" : " ") + "request_id=" + x.request_id;
   const double total =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - x.arrived).count();
   const std::string seqs =
@@ -276,6 +280,14 @@ json model_object(const Context& ctx, const VariantStatus& v) {
 
 }  // namespace
 
+std::string request_id(const httplib::Request& req) {
+  std::string id = req.get_header_value("X-Request-Id");
+  if (id.empty() || id.size() > 128) return {};
+  for (char c : id)
+    if (c < 0x21 || c > 0x7e) return {};
+  return id;
+}
+
 std::string dump(const json& j) {
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
@@ -325,6 +337,7 @@ void handle_generation(Context& ctx, const httplib::Request& req, httplib::Respo
                        Endpoint endpoint) {
   auto x = std::make_shared<Exchange>();
   x->route = endpoint == Endpoint::kChat ? kChatRoute : kCompletionsRoute;
+  x->request_id = request_id(req);
   const Tokenizer& tok = ctx.engine.tokenizer();
   try {
     x->request = parse_generation(parse_body(req.body), endpoint, model_info(ctx));

@@ -52,6 +52,11 @@ void handle_tokenize(Context& ctx, const httplib::Request& req, httplib::Respons
 void handle_detokenize(Context& ctx, const httplib::Request& req, httplib::Response& res);
 void handle_metrics(Context& ctx, const httplib::Request& req, httplib::Response& res);
 
+// The client's X-Request-Id (1 to 128 visible ASCII characters), echoed on the response and put in
+// the request's log line so that a gateway's logs and ours can be joined; empty when absent or not
+// of that form (then ignored, not refused).
+std::string request_id(const httplib::Request& req);
+
 // Every JSON we send goes through this: bytes that are not UTF-8 become U+FFFD instead of throwing.
 std::string dump(const json& j);
 
