@@ -51,6 +51,7 @@ grep -E "b: roofline|b: floor|floor.s form|AB route|x quantized before|route.s" 
 stamp "bench one-row"
 .device/bin/bench_cuda_fused_linear --one-row > $OUT/bench_a.log 2>&1; echo "rc $?"
 grep -E "AB |x quantized before|reading W, signs, chain|floor.s form|GemmEx" $OUT/bench_a.log
+if [ "${1:-}" != short ]; then  # `run_46.sh short`: the tests and the two benches only (about 3 minutes)
 stamp "7B model"
 .device/bin/make_synthetic /tmp/l7b --layers 32 --hidden 4096 --inter 11008 --vocab 32000 --heads 32 --kv-heads 32 \
   --tie 0 --shards 3 --finetune 0 --deltas 14 > /tmp/ms.log 2>&1 || { tail -5 /tmp/ms.log; }
@@ -71,6 +72,7 @@ for round in 1 2; do
     done
   done
 done
+fi
 stamp done
 } > $L 2>&1
 tail -c 11000 $L
