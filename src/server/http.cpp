@@ -9,6 +9,7 @@
 #include <random>
 #include <regex>
 #include <string_view>
+#include <vector>
 
 #include "bitdelta/error.h"
 #include "bitdelta/server.h"
@@ -126,13 +127,19 @@ Server::Server(Engine& engine, ServerOptions options)
       {"GET", "/health", server::handle_health},
       {"GET", "/metrics", server::handle_metrics},
   };
-  // The methods a path is served with ("GET, POST"), empty when none.
+  // The methods a path is served with ("GET, POST"), empty when none. The patterns are compiled
+  // once, not per 404 or OPTIONS request.
+  static const std::vector<std::regex> kPatterns = [] {
+    std::vector<std::regex> p;
+    for (const Route& route : kRoutes) p.emplace_back(route.pattern);
+    return p;
+  }();
   const auto allowed = [](const std::string& path) {
     std::string methods;
-    for (const Route& route : kRoutes)
-      if (std::regex_match(path, std::regex(route.pattern)) &&
-          methods.find(route.method) == std::string::npos)
-        methods += (methods.empty() ? "" : ", ") + std::string(route.method);
+    for (size_t i = 0; i < std::size(kRoutes); ++i)
+      if (std::regex_match(path, kPatterns[i]) &&
+          methods.find(kRoutes[i].method) == std::string::npos)
+        methods += (methods.empty() ? "" : ", ") + std::string(kRoutes[i].method);
     return methods;
   };
 
