@@ -194,6 +194,16 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, {0, 0, bcuda::DecodeKernel::kBalanced});
       BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       expect("decode balanced  " + tag, dy.to_host(), ref, decode_bound);
+      {  // x quantized before the call (DecodeOptions::xq), not in each block
+        DeviceBuffer<uint8_t> dq(bcuda::quantized_x_bytes(rows, K));
+        bcuda::quantize_x(xb, rows, K, dq.ptr, nullptr);
+        bcuda::DecodeOptions o{0, 0, bcuda::DecodeKernel::kBalanced};
+        o.xq = dq.ptr;
+        poison(dy.ptr, dy.n);
+        bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dy.ptr, nullptr, o);
+        BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+        expect("decode bal. xq   " + tag, dy.to_host(), ref, decode_bound);
+      }
     }
     // The streaming kernel (sm_90a; where it does not run, or K is not a multiple of 8, the same calls
     // take the register kernel): its own grid, and grids of 1, 2, 3 and 7 blocks (ranges of units
@@ -343,6 +353,20 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
     if (!zeroed) ++failures;
     std::printf("%s terms beside, forked and joined with no terms: buffer zeroed  %s\n", zeroed ? "ok  " : "FAIL",
                 tag.c_str());
+    if (rows <= bcuda::kMaxDecodeRows) {  // x quantized before, in pairs
+      DeviceBuffer<uint8_t> dq(bcuda::quantized_x_bytes(rows, K));
+      bcuda::quantize_x(xb, rows, K, dq.ptr, nullptr, true);
+      poison(dt.ptr, span);
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      beside.fork(nullptr, dt.ptr, span);
+      beside.add_terms(wb, N, K, xb, rows, dev_refs, dt.ptr + N, dq.ptr);
+      beside.join(nullptr);
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      ++checks;
+      const bool same = dt.to_host() == got;
+      if (!same) ++failures;
+      std::printf("%s terms beside, x quantized before: the same floats  %s\n", same ? "ok  " : "FAIL", tag.c_str());
+    }
   }
   bool one_variant = true;
   for (int v : row_variant) one_variant = one_variant && v == row_variant[0];

@@ -346,12 +346,18 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // parts: kBoth, or one branch alone (the fork and join kept): what each takes in the same form.
   // kStreamBase: the streaming kernel with no delta takes the base instead of cuBLAS (alone at 4096²,
   // 16 rows: 15.5 against 18.5 µs, run 346; beside the terms it gained only at 4096², run 348).
-  enum Parts { kBoth = 3, kBaseAlone = 1, kTermsAlone = 2, kStreamBase = 4 };
+  // kXqBefore (pending A/B, session 46): x's 16 rows quantized once before (pairs form), the terms'
+  // quantizing launch left out: the ceiling of the producing kernels quantizing x for the route.
+  enum Parts { kBoth = 3, kBaseAlone = 1, kTermsAlone = 2, kStreamBase = 4, kXqBefore = 8 };
+  DeviceMem xq16(bcuda::quantized_x_bytes(kVariants, K));
+  bcuda::quantize_x(X, kVariants, K, static_cast<uint8_t*>(xq16.ptr), nullptr, true);
   const auto route = [&](int s, std::span<const DeltaRef> d, bool add, cudaStream_t st, int parts) {
     const int rows = int(d.size());
     auto* terms = static_cast<float*>(yd.ptr);
     beside.fork(st, terms, size_t(rows) * N);
-    if (parts & kTermsAlone) beside.add_terms(W(s), N, K, X, rows, d, terms);
+    if (parts & kTermsAlone)
+      beside.add_terms(W(s), N, K, X, rows, d, terms,
+                       (parts & kXqBefore) ? static_cast<const uint8_t*>(xq16.ptr) : nullptr);
     if ((parts & kBaseAlone) && (parts & kStreamBase)) {
       const std::vector<DeltaRef> none(static_cast<size_t>(rows));
       bcuda::fused_linear_decode(W(s), N, K, X, rows, none, Y, st, {0, 0, kStream});
@@ -457,9 +463,8 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
              bytes, tc, "x cuBLAS alt."});
       }
     }
-    {  // x quantized before the call (as a kernel producing x could leave it), for the register kernel
-       // (the balanced grid quantizes x in each block): the linear alone, and the quantizing launch
-       // alone
+    {  // x quantized before the call (as a kernel producing x can leave it; without, the balanced grid
+       // quantizes x in each block): the linear alone, and the quantizing launch alone
       DeviceMem xq(bcuda::quantized_x_bytes(1, K));
       auto* q = static_cast<uint8_t*>(xq.ptr);
       bcuda::quantize_x(X, 1, K, q, nullptr);
@@ -496,6 +501,20 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       }
       const double tcb = time_chain_us([&](int s) { cublas_rows(1, s); }, 20);
       add({shape, "a: 1 row base", "cuBLAS, chain of 20 calls", tcb, double(wbytes), t_cublas, "x cuBLAS"});
+      {  // The balanced grid with x quantized before (by the kernel producing x, in the engine's one-row
+         // step), alone and in a chain of 20.
+        bcuda::DecodeOptions ob{0, 0, kBalanced};
+        ob.xq = q;
+        add({shape, "a: 1 row 1 variant", "balanced, x quantized before", time_row(ob), bytes, t_cublas, "x cuBLAS"});
+        const double tx = time_chain_us(
+            [&](int s) {
+              const DeltaRef d = delta(s, 0);
+              bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, ob);
+            },
+            20);
+        add({shape, "a: 1 row 1 variant", "balanced, chain of 20, x quantized before", tx, bytes, t_cublas,
+             "x cuBLAS"});
+      }
       const double tq = time_us([&](int) { bcuda::quantize_x(X, 1, K, q, nullptr); }, reps);
       add({shape, "a: quantize x", "quantize_x alone (1 row)", tq, K * 2.0 + double(bcuda::quantized_x_bytes(1, K)), 0, ""});
     }
@@ -654,6 +673,26 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
         add({shape, "b: 16 rows 16 variants", name, ts,
              parts == kTermsAlone ? bytes - double(wbytes) : (parts & kTermsAlone) ? bytes : double(wbytes), roof,
              "x roofline"});
+      }
+      // Pending A/B (session 46): the route with x quantized before, against the route as it is,
+      // alternated twice; and its terms alone that way. Session 47: also with the streaming kernel
+      // as the base (a launch that starts early, unlike cuBLAS's; run 348: 20.21 µs with the terms
+      // at 4096² against cuBLAS's 20.54).
+      for (int round = 0; round < 2; ++round)
+        for (int parts : {int(kBoth), kBoth | kXqBefore, kBoth | kXqBefore | kStreamBase}) {
+          if ((parts & kStreamBase) && !stream_runs) continue;
+          const double ts = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, parts); }, reps) / 20;
+          add({shape, "b: 16 rows 16 variants",
+               parts == kBoth                ? "AB route, folded, graph of 20"
+               : (parts & kStreamBase) == 0 ? "AB route, folded, graph of 20, x quantized before"
+                                             : "AB route, folded, graph of 20, x quantized before, stream base",
+               ts, bytes, roof, "x roofline"});
+        }
+      {
+        const double ts =
+            time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, kTermsAlone | kXqBefore); }, reps) / 20;
+        add({shape, "b: 16 rows 16 variants", "route's terms alone, x quantized before, graph of 20", ts,
+             bytes - double(wbytes), roof, "x roofline"});
       }
     }
     if (stream_runs) {  // x quantized before the call: the linear alone, and the quantizing launch alone

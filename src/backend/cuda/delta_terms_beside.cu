@@ -27,9 +27,12 @@ void DeltaTermsBeside::fork(cudaStream_t stream, float* terms, size_t n) {
 }
 
 void DeltaTermsBeside::add_terms(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
-                                 std::span<const DeltaRef> deltas, float* terms) {
+                                 std::span<const DeltaRef> deltas, float* terms, const uint8_t* xq) {
+  if (xq && rows > kMaxDecodeRows)
+    fail("cuda::DeltaTermsBeside: x quantized before for ", rows, " rows (at most ", kMaxDecodeRows, ")");
   DecodeOptions o;
   o.delta_only = true;
+  o.xq = xq;
   for (int c = 0; c < rows; c += kMaxDecodeRows) {
     const int n = std::min(rows - c, kMaxDecodeRows);
     fused_linear_decode(w, N, K, x + size_t(c) * K, n, deltas.subspan(size_t(c), size_t(n)), terms + size_t(c) * N,

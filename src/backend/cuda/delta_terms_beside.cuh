@@ -32,9 +32,10 @@ class DeltaTermsBeside {
   // On the side stream: terms[rows, N] += α_v(r) ⊙ (x[r]·S_v(r)ᵀ) for x's rows (deltas[r]: row r's
   // variant; rows without signs add nothing), in launches of up to kMaxDecodeRows rows that read
   // their variants' signs once each and not W (fused_linear_decode, DecodeOptions::delta_only; w
-  // only names the shape's weight).
+  // only names the shape's weight). xq: x's rows quantized before, in pairs (quantize_x's pairs
+  // form; then at most kMaxDecodeRows rows), or null: quantized by a launch on the side stream.
   void add_terms(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
-                 std::span<const DeltaRef> deltas, float* terms);
+                 std::span<const DeltaRef> deltas, float* terms, const uint8_t* xq = nullptr);
   // The work on `stream` from here on waits for the side stream's so far.
   void join(cudaStream_t stream);
 

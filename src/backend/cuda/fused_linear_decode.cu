@@ -77,8 +77,22 @@ __device__ __forceinline__ void make_pairs(const uint4& e, const uint4& f, uint3
   }
 }
 
-// kU 64-column steps of W (rows wA, wB: this lane's rows of the tile) and x from column k0 on: the
-// loads of a batch, then its mma (steps past K are skipped).
+// Step u of kU 64-column steps from column k0 on (steps past K are skipped by the callers): W's
+// (rows wA, wB: this lane's rows of the tile) and x's.
+template <int kU>
+__device__ __forceinline__ void load_w_step(const __nv_bfloat16* wA, const __nv_bfloat16* wB, int u, int k, int K,
+                                            bool aligned, uint4 (&we)[kU][2], uint4 (&wf)[kU][2]) {
+  load_raw<true>(wA, k, K, aligned, we[u][0], wf[u][0]);
+  load_raw<true>(wB, k, K, aligned, we[u][1], wf[u][1]);
+}
+template <int RG, int kU>
+__device__ __forceinline__ void load_x_step(const __nv_bfloat16* const (&xrow)[RG], int u, int k, int K, bool aligned,
+                                            uint4 (&xe)[kU][RG], uint4 (&xf)[kU][RG]) {
+#pragma unroll
+  for (int g = 0; g < RG; ++g) load_raw<false>(xrow[g], k, K, aligned, xe[u][g], xf[u][g]);
+}
+// A batch of kU steps: W's and x's step by step (load_base: the loads of a batch, then its mma), or
+// W's alone (load_w) and x's alone (load_x), for the one-row kernel, which loads W before its wait.
 template <int RG, int kU>
 __device__ __forceinline__ void load_base(const __nv_bfloat16* wA, const __nv_bfloat16* wB,
                                           const __nv_bfloat16* const (&xrow)[RG], int k0, int K, int ci,
@@ -88,11 +102,23 @@ __device__ __forceinline__ void load_base(const __nv_bfloat16* wA, const __nv_bf
   for (int u = 0; u < kU; ++u) {
     if (k0 + u * kKBlock >= K) break;
     const int k = k0 + u * kKBlock + 8 * ci;
-    load_raw<true>(wA, k, K, aligned, we[u][0], wf[u][0]);
-    load_raw<true>(wB, k, K, aligned, we[u][1], wf[u][1]);
-#pragma unroll
-    for (int g = 0; g < RG; ++g) load_raw<false>(xrow[g], k, K, aligned, xe[u][g], xf[u][g]);
+    load_w_step<kU>(wA, wB, u, k, K, aligned, we, wf);
+    load_x_step<RG, kU>(xrow, u, k, K, aligned, xe, xf);
   }
+}
+template <int kU>
+__device__ __forceinline__ void load_w(const __nv_bfloat16* wA, const __nv_bfloat16* wB, int k0, int K, int ci,
+                                       bool aligned, uint4 (&we)[kU][2], uint4 (&wf)[kU][2]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (k0 + u * kKBlock < K) load_w_step<kU>(wA, wB, u, k0 + u * kKBlock + 8 * ci, K, aligned, we, wf);
+}
+template <int RG, int kU>
+__device__ __forceinline__ void load_x(const __nv_bfloat16* const (&xrow)[RG], int k0, int K, int ci, bool aligned,
+                                       uint4 (&xe)[kU][RG], uint4 (&xf)[kU][RG]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (k0 + u * kKBlock < K) load_x_step<RG, kU>(xrow, u, k0 + u * kKBlock + 8 * ci, K, aligned, xe, xf);
 }
 template <int RG, int kU>
 __device__ __forceinline__ void mma_base(int k0, int K, const uint4 (&we)[kU][2], const uint4 (&wf)[kU][2],
@@ -306,9 +332,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
       float2 sc[MS][RS];
       // The slots' x fragments: with one row per slot, loaded with the signs (in flight during the
       // base); with 4 rows per slot, after the base (fewer registers live across it).
-      const auto load_x = [&]() { load_slot_x<MAXS>(p, slots, nmine, kb, lane, xbf, sc); };
+      const auto load_slots_x = [&]() { load_slot_x<MAXS>(p, slots, nmine, kb, lane, xbf, sc); };
       load_slot_signs<MAXS>(sgn, nmine, kb, sa);
-      if (RS == 1) load_x();
+      if (RS == 1) load_slots_x();
       if (has_base) {
         mma_batch(0);
 #pragma unroll 1
@@ -317,7 +343,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_kernel(const DecodePara
           mma_batch(h);
         }
       }
-      if (RS > 1) load_x();
+      if (RS > 1) load_slots_x();
       for_slot_rows<MAXS, RS>(slots, nmine, [&](int s, int i, int) {
         delta_block(sa[s], xbf[s][i], sc[s][i].x, pw, dacc[s][i]);
         if (kEarly) sq[s][i] += sc[s][i].x * sc[s][i].y;
@@ -527,6 +553,10 @@ struct RowParams {
   const uint4* signs;  // packed (packed_signs.h); null: the base alone
   const float* alpha;
   int alpha_per_row;
+  // x quantized before the launch (DecodeOptions::xq; quantized_x_block bytes per 256-column block),
+  // read per unit from memory instead of quantized in each block: the decode_row_kernel<true, true>.
+  const uint8_t* xq;
+  int xq_block;
   int N, K, KB, aligned;
   int units, blocks;
   int whole;  // ranges of whole tiles (no tile cut)
@@ -534,17 +564,20 @@ struct RowParams {
   unsigned long long* meet;
 };
 
-template <bool kDelta>
+// kXq (with kDelta): x quantized before the launch (RowParams::xq), not in the block.
+template <bool kDelta, bool kXq>
 __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowParams p) {
+  static_assert(kDelta || !kXq);
   pdl_launch_dependents();  // launch.cuh: the next kernel may start; this one waits below
   constexpr int kU = 2;     // 64-column steps of W per load batch, as the register kernel
-  // Shared memory: with a delta, x quantized (KB blocks of kRowPlaneBytes); then the warps' sums,
-  // [tile of the range][warp][16 rows].
+  constexpr bool kQuantize = kDelta && !kXq;  // x quantized by the block itself
+  // Shared memory: x quantized (KB blocks of kRowPlaneBytes), where the block does it; then the
+  // warps' sums, [tile of the range][warp][16 rows].
   extern __shared__ uint4 smem_row[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane >> 2, t = lane & 3;
   const int KB = p.KB, K = p.K, N = p.N;
   uint8_t* const xs = reinterpret_cast<uint8_t*>(smem_row);
-  float* const ysum = reinterpret_cast<float*>(xs + (kDelta ? KB * kRowPlaneBytes : 0));
+  float* const ysum = reinterpret_cast<float*>(xs + (kQuantize ? KB * kRowPlaneBytes : 0));
   const int per = p.whole ? KB : 1, items = p.units / per;  // ranges of whole tiles, or of units
   const int u0 = int(int64_t(items) * blockIdx.x / p.blocks) * per;
   const int u1 = int(int64_t(items) * (blockIdx.x + 1) / p.blocks) * per;
@@ -584,26 +617,31 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
       for (int h = 0; h < 2; ++h) al[h] = __ldg(p.alpha + (p.alpha_per_row ? min(tile * 16 + gid + 8 * h, N - 1) : 0));
     }
   };
-  // Before the wait (weights and deltas only: launch.cuh): the first tile's rows, sign blocks and α.
-  // The warp's first unit of W goes on its way to L2 then too without a delta; with one, once the
-  // block's loads of x (to quantize it) are issued: sent before them, its misses delayed those loads
-  // and so the whole block (0.1–1.3 µs per call: NOTES.md, part 15).
+  // Before the wait (weights and deltas only: launch.cuh): the first tile's rows, sign blocks and α,
+  // and the warp's first load batch of W into registers (we, wf), the rest of that unit to L2. (Run
+  // 351, chains of 20 at 4096²: 10.9 µs against 11.9 with only the first unit to L2, sent after the
+  // block's loads of x to quantize it; NOTES.md, part 15, for why not before those loads then.)
   int cur = -1, T = 0, kb = 0;
+  uint4 we[kU][2], wf[kU][2];
+  bool have_w = false;
   if (q < L) {
     const int u = unit_at(q);
     T = u / KB, kb = u - T * KB;
     start_tile(cur = T);
+    load_w<kU>(wA, wB, kb * kDBlock, K, ci, aligned, we, wf);
+    have_w = true;
+    constexpr int kRest = (kDBlock - kU * kKBlock) / 64;  // 128-byte lines of a row left in the unit
+    const int k = kb * kDBlock + kU * kKBlock + 64 * t;
+    if (t < kRest && k < K) prefetch_l2(wA + k), prefetch_l2(wB + k);
   }
-  const auto prefetch_first = [&]() {
-    const int k = kb * kDBlock + t * (kDBlock / 4);
-    if (q < L && k < K) prefetch_l2(wA + k), prefetch_l2(wB + k);
-  };
-  if (!kDelta) prefetch_first();
   pdl_wait();
-  if (kDelta) {  // x quantized into shared memory by the whole block
-    quantize_row_shared(p.x, K, p.aligned, xs, prefetch_first);
+  if (kQuantize) {  // x quantized into shared memory by the whole block
+    quantize_row_shared(p.x, K, p.aligned, xs);
     __syncthreads();
   }
+  // kXq: row 0's bit-plane fragments and (scale, Σq) of each 256-column block (quantized_x_block).
+  const uint4* const xplanes = kXq ? reinterpret_cast<const uint4*>(p.xq + kQuantizedPlanes) : nullptr;
+  const float2* const xscales = kXq ? reinterpret_cast<const float2*>(p.xq) : nullptr;
   // The warp's sums for `tile`: rows gid and gid + 8 of it in the lanes with t = 0.
   const auto finish = [&](int tile) {
     float v[2];
@@ -663,15 +701,25 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     // As the register kernel's combined form: W's first batch, the unit's sign fragment, bit-planes
     // and (scale, Σq), then the rest of W batch by batch, then the 1-bit mma.
     const int k0 = kb * kDBlock;
-    uint4 we[kU][2], wf[kU][2], xe[kU][1], xf[kU][1];
+    uint4 xe[kU][1], xf[kU][1];
     uint4 sa{}, xbf{};
     float2 sc{};
-    load_base<1, kU>(wA, wB, xrow, k0, K, ci, aligned, we, wf, xe, xf);
+    if (have_w) {  // W's batch loaded before the wait
+      load_x<1, kU>(xrow, k0, K, ci, aligned, xe, xf);
+      have_w = false;
+    } else {
+      load_base<1, kU>(wA, wB, xrow, k0, K, ci, aligned, we, wf, xe, xf);
+    }
     if (kDelta) {
       sa = ldg_stream(sg + size_t(kb) * 32);
-      const uint8_t* blk = xs + kb * kRowPlaneBytes;
-      xbf = *reinterpret_cast<const uint4*>(blk + 16 * lane);
-      sc = *reinterpret_cast<const float2*>(blk + 512);
+      if (kXq) {  // not .nc: written by an earlier launch
+        xbf = __ldcg(xplanes + (size_t(kb) * (p.xq_block >> 4) + lane));
+        sc = __ldcg(xscales + size_t(kb) * (p.xq_block >> 3));
+      } else {
+        const uint8_t* blk = xs + kb * kRowPlaneBytes;
+        xbf = *reinterpret_cast<const uint4*>(blk + 16 * lane);
+        sc = *reinterpret_cast<const float2*>(blk + 512);
+      }
     }
     mma_base<1, kU>(k0, K, we, wf, xe, xf, acc);
 #pragma unroll 1
@@ -708,9 +756,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   }
 }
 
-// The balanced one-row kernel's grid and shared memory for [N, K] (with a delta or not); valid is
-// false where it does not apply: its shared memory would pass kRowSmemMax (x quantized, about 4 KB
-// per 1000 columns, and the warps' sums, 512 bytes per tile of the longest range).
+// The balanced one-row kernel's grid and shared memory for [N, K] (x quantized in the block, for a
+// delta with no DecodeOptions::xq, or not); valid is false where it does not apply: its shared
+// memory would pass kRowSmemMax (x quantized, about 4 KB per 1000 columns, and the warps' sums, 512
+// bytes per tile of the longest range).
 constexpr size_t kRowSmemMax = 100u << 10;  // two blocks per multiprocessor (228 KB)
 struct RowPlan {
   bool valid;
@@ -719,7 +768,7 @@ struct RowPlan {
   int64_t units;
   size_t smem;
 };
-RowPlan plan_row(int N, int K, bool delta) {
+RowPlan plan_row(int N, int K, bool quantize_x) {
   const int sms = multiprocessors();
   const int tiles = (N + 15) / 16, KB = sign_blocks(K);
   RowPlan r{};
@@ -732,7 +781,7 @@ RowPlan plan_row(int N, int K, bool delta) {
   r.blocks = r.whole ? (tiles + tpb - 1) / tpb : std::min(slots, tiles);
   const int64_t longest = r.whole ? int64_t(tpb) * KB : (r.units + r.blocks - 1) / r.blocks;
   r.smem = size_t((longest + 2 * KB - 2) / KB) * kWarps * 16 * sizeof(float) +
-           (delta ? size_t(KB) * kRowPlaneBytes : 0);
+           (quantize_x ? size_t(KB) * kRowPlaneBytes : 0);
   r.valid = r.units <= INT32_MAX / 2 && r.smem <= kRowSmemMax;
   return r;
 }
@@ -750,9 +799,10 @@ void allow_row_smem() {
   if (dev < kDevices) allowed[dev].store(true, std::memory_order_relaxed);
 }
 
-// The balanced one-row kernel's launch (plan_row(N, K, d != nullptr).valid).
+// The balanced one-row kernel's launch (plan_row(N, K, d && !xq).valid); xq: x quantized before
+// (with a delta), or null.
 void launch_row(const RowPlan& plan, const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, const DeltaRef* d,
-                float* y, bool aligned, cudaStream_t stream) {
+                const uint8_t* xq, float* y, bool aligned, cudaStream_t stream) {
   const int tiles = (N + 15) / 16, KB = sign_blocks(K);
   RowParams r{};
   r.w = w, r.x = x, r.y = y, r.N = N, r.K = K, r.KB = KB, r.aligned = aligned;
@@ -761,18 +811,22 @@ void launch_row(const RowPlan& plan, const __nv_bfloat16* w, int N, int K, const
     r.signs = reinterpret_cast<const uint4*>(d->signs);
     r.alpha = d->alpha;
     r.alpha_per_row = d->alpha_per_row ? 1 : 0;
+    r.xq = xq, r.xq_block = quantized_x_block(1);
   }
   if (!plan.whole && plan.blocks < tiles)  // some tiles are cut between blocks
     r.meet = static_cast<unsigned long long*>(
         stream_scratch(ScratchUse::kDecodeMeet, stream, size_t(tiles) * 16 * sizeof(unsigned long long), true));
-  const dim3 grid{unsigned(plan.blocks)}, block{kWarps * 32};
+  const auto kernel = !d ? decode_row_kernel<false, false> : xq ? decode_row_kernel<true, true>
+                                                                 : decode_row_kernel<true, false>;
   if (plan.smem > (48u << 10)) {  // large K only
-    if (d)
-      allow_row_smem<decode_row_kernel<true>>();
+    if (!d)
+      allow_row_smem<decode_row_kernel<false, false>>();
+    else if (xq)
+      allow_row_smem<decode_row_kernel<true, true>>();
     else
-      allow_row_smem<decode_row_kernel<false>>();
+      allow_row_smem<decode_row_kernel<true, false>>();
   }
-  const auto kernel = d ? decode_row_kernel<true> : decode_row_kernel<false>;
+  const dim3 grid{unsigned(plan.blocks)}, block{kWarps * 32};
   // Shared memory for two blocks per multiprocessor (each with 1 KB the system reserves), at least
   // what every chained kernel prefers (launch.cuh).
   launch_chained_shared(std::max(kPreferredSharedBytes, unsigned(2 * (plan.smem + (1u << 10)))), kernel, grid, block,
@@ -1045,12 +1099,14 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
   p.nslots = grouped ? ngroup : nrow;
   if (!streaming)
     for (int s = 0; s < p.nslots; ++s) p.slots[s] = grouped ? by_group[s] : by_row[s];
-  // One row: the balanced grid, which quantizes x itself, unless the register kernel's own grid was
-  // asked for.
+  // One row: the balanced grid, which quantizes x itself unless options.xq passes it, unless the
+  // register kernel's own grid was asked for.
   const DeltaRef* row_delta = deltas[0].signs ? &deltas[0] : nullptr;
   if (!streaming && rows == 1 && options.kernel != DecodeKernel::kRegisters) {
-    const RowPlan plan = plan_row(N, K, row_delta != nullptr);
-    if (plan.valid) return launch_row(plan, w, N, K, x, row_delta, y, p.aligned, stream);
+    const uint8_t* row_xq = row_delta ? options.xq : nullptr;
+    if (row_xq && !aligned16(row_xq)) fail("cuda::fused_linear_decode: quantized x not 16-byte aligned");
+    const RowPlan plan = plan_row(N, K, row_delta != nullptr && !row_xq);
+    if (plan.valid) return launch_row(plan, w, N, K, x, row_delta, row_xq, y, p.aligned, stream);
   }
   // The rows of x quantized for the delta term: as the caller passed them, or else quantized into a
   // scratch buffer of this stream (calls on one stream reuse it in stream order), by the streaming

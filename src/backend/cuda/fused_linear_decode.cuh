@@ -66,9 +66,9 @@ struct DecodeOptions {
   DecodeKernel kernel = DecodeKernel::kAuto;
   int stages = 0;  // kStream: ring stages (0 = as many as fit one block per multiprocessor)
   // x already quantized by quantize_x (these rows, this K; device memory; with delta_only, in pairs),
-  // or null: kStream quantizes it in its blocks, the register kernel and delta_only after a launch
-  // that does. (Ignored where the register kernel takes more than 16 rows in two launches, and by
-  // kBalanced, which quantizes its one row of x in each block's shared memory.)
+  // or null: kStream and kBalanced quantize it in their blocks, the register kernel and delta_only
+  // after a launch that does. (Ignored where the register kernel takes more than 16 rows in two
+  // launches.)
   const uint8_t* xq = nullptr;
   // kStream: its grid's blocks on equal ranges of (64-row tile, 256-column block) units, at most the
   // tiles or twice them (a tile is cut between at most two blocks); 0 = choose (tests and benchmarks
