@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Session 48: the one-row forms made default (b77602b), checked and measured in two calls on one
+# warm machine (each under the 600 s a call may take):
+#   run(command="bash bench/cuda/runs/run352.sh a", carry=[".device/bundle.tar.xz", ".device/ab.tar.xz"])
+#   run(command="bash bench/cuda/runs/run352.sh b", carry=[".device/bundle.tar.xz"])
+# a: the GPU tests and kernel checks of the normal build; both kernel benches (one row at the five
+#    shapes; 16 rows of 16 variants); the 7B model made and its batch-1 steps in three forms,
+#    alternated twice: this build (early W and the producers' xq, the default now), and the
+#    session-46 A/B binary (.device/ab.tar.xz: bench_gpu_e2e built with the pending patch and its
+#    switches) with both switches off (the code before b77602b) and both on (the same forms as
+#    this build, to show the two binaries agree).
+# b: the two PTX builds' GPU tests and kernel checks; the issue's end-to-end table on this build.
+set -uo pipefail
+root=$(pwd)
+export PATH=/usr/local/cuda/bin:$PATH
+(cd .device && tar -xJf bundle.tar.xz) || exit 1
+export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64 BITDELTA_SOURCE_DIR=$root
+part=${1:-a}
+L=$OUT/run352$part.log
+t0=$(date +%s)
+stamp() { echo "-- $(( $(date +%s) - t0 )) s: $*"; }
+make7b() {
+  [ -f /tmp/l7b/deltas/v13.bitdelta ] && return
+  .device/bin/make_synthetic /tmp/l7b --layers 32 --hidden 4096 --inter 11008 --vocab 32000 --heads 32 --kv-heads 32 \
+    --tie 0 --shards 3 --finetune 0 --deltas 14 > /tmp/ms.log 2>&1 || { tail -5 /tmp/ms.log; }
+  cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json \
+    /tmp/l7b/base/
+}
+{
+date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+if [ "$part" = a ]; then
+  (cd .device && tar -xJf ab.tar.xz) || exit 1
+  stamp "gpu tests"
+  BITDELTA_CLI_PATH=$root/.device/bin/bitdelta .device/bin/bitdelta_gpu_tests > $OUT/gpu_tests.log 2>&1; echo "rc $?"
+  grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|Quantized" $OUT/gpu_tests.log | head -20
+  stamp "kernel tests"
+  .device/bin/test_cuda_fused_linear > $OUT/kt.log 2>&1; echo "rc $?"
+  grep -E "^FAIL" $OUT/kt.log | head -20; grep -cE "bal. xq|x quantized before: the same" $OUT/kt.log; tail -1 $OUT/kt.log
+  stamp "bench many-variants"
+  .device/bin/bench_cuda_fused_linear --many-variants > $OUT/bench_b.log 2>&1; echo "rc $?"
+  grep -E "b: roofline|b: floor|AB route|x quantized before|route.s" $OUT/bench_b.log
+  stamp "bench one-row"
+  .device/bin/bench_cuda_fused_linear --one-row > $OUT/bench_a.log 2>&1; echo "rc $?"
+  grep -E "chain of 20|x quantized before|GemmEx" $OUT/bench_a.log
+  stamp "7B model"
+  make7b
+  stamp "7B batch 1: this build against the A/B binary (switches off, on)"
+  for round in 1 2; do
+    for form in new old on; do
+      [ $(( $(date +%s) - t0 )) -gt 540 ] && { echo "round $round $form: left out (time)"; continue; }
+      case $form in
+        new) b=.device/bin/bench_gpu_e2e; e=0; p=1 ;;
+        old) b=.device/ab/bench_gpu_e2e_ab; e=0; p=0 ;;
+        on) b=.device/ab/bench_gpu_e2e_ab; e=1; p=1 ;;
+      esac
+      echo "round $round $form: $(BITDELTA_AB_EARLY_W=$e BITDELTA_AB_PRODUCER_XQ=$p \
+        $b /tmp/l7b --decode 16 --profile-case "batch 1" 2>&1 | grep -E '^batch' | tr '\n' ' ')"
+    done
+  done
+else
+  for sfx in "" 90; do
+    ptx=$root/.device/bin-ptx$sfx
+    stamp "portable$sfx gpu tests"
+    CUDA_CACHE_PATH=/tmp/ptx$sfx-cache BITDELTA_CLI_PATH=$ptx/bitdelta $ptx/bitdelta_gpu_tests \
+      > $OUT/portable${sfx}_gpu_tests.log 2>&1; echo "rc $?"
+    grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure" $OUT/portable${sfx}_gpu_tests.log | head -10
+    stamp "portable$sfx kernel tests"
+    CUDA_CACHE_PATH=/tmp/ptx$sfx-cache $ptx/test_cuda_fused_linear > $OUT/portable${sfx}_kt.log 2>&1; echo "rc $?"
+    grep -E "^FAIL" $OUT/portable${sfx}_kt.log | head -10; head -1 $OUT/portable${sfx}_kt.log; tail -1 $OUT/portable${sfx}_kt.log
+  done
+  stamp "7B model"
+  make7b
+  stamp "e2e table"
+  .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --out $OUT/e2e.json > $OUT/e2e.log 2>&1; echo "rc $?"
+  grep -vE "^v[0-9]|replayed as CUDA" $OUT/e2e.log
+fi
+stamp done
+} > $L 2>&1
+tail -c 11000 $L
