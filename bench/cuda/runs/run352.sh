@@ -1,20 +1,35 @@
 #!/usr/bin/env bash
-# Session 48: the one-row forms made default (b77602b), checked and measured in two calls on one
-# warm machine (each under the 600 s a call may take):
+# Session 48: the one-row forms made default (b77602b), and the pending route of 3-32 rows of several
+# variants (bench/cuda/pending/route_xq_pairs_stream_base.patch: x quantized in pairs by the norms
+# and SwiGLU for the delta terms; the streaming kernel as the base at N <= 4096; switches
+# BITDELTA_AB_ROUTE_XQ, BITDELTA_AB_STREAM_BASE, on by default). The bundle must be built with the
+# patch applied (tools/device_bundle.sh), and .device/ab.tar.xz must hold .device/ab/bench_gpu_e2e_ab:
+# bench_gpu_e2e built at 6215809 with the session-46 patch applied (its switches BITDELTA_AB_EARLY_W
+# and BITDELTA_AB_PRODUCER_XQ; both off = the code before b77602b). Checked and measured in three
+# calls on one warm machine (each under the 600 s a call may take), or in one (`all`):
 #   run(command="bash bench/cuda/runs/run352.sh a", carry=[".device/bundle.tar.xz", ".device/ab.tar.xz"])
 #   run(command="bash bench/cuda/runs/run352.sh b", carry=[".device/bundle.tar.xz"])
+#   run(command="bash bench/cuda/runs/run352.sh c", carry=[".device/bundle.tar.xz"])
+# t: the tests alone (part a's and c's), for a call on an H100 while no H200 is lent.
+# all: one call of the most needed (after starts were refused for an hour): the normal build's
+#    tests, both benches, the 7B batch-1 A/B, the mixed A/B (on/off at batch 16 and 32, twice; the
+#    two switches apart at 32 once) and the end-to-end table, each stage left out past its time.
 # a: the GPU tests and kernel checks of the normal build; both kernel benches (one row at the five
 #    shapes; 16 rows of 16 variants); the 7B model made and its batch-1 steps in three forms,
 #    alternated twice: this build (early W and the producers' xq, the default now), and the
 #    session-46 A/B binary (.device/ab.tar.xz: bench_gpu_e2e built with the pending patch and its
 #    switches) with both switches off (the code before b77602b) and both on (the same forms as
 #    this build, to show the two binaries agree).
-# b: the two PTX builds' GPU tests and kernel checks; the issue's end-to-end table on this build.
+# b: the 7B mixed steps at batch 16 and 32 with the route's two switches in their four settings,
+#    alternated twice; the issue's end-to-end table on this build (both on).
+# c: the two PTX builds' GPU tests and kernel checks.
 set -uo pipefail
 root=$(pwd)
 export PATH=/usr/local/cuda/bin:$PATH
 (cd .device && tar -xJf bundle.tar.xz) || exit 1
 export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64 BITDELTA_SOURCE_DIR=$root
+grep -qa BITDELTA_AB_ROUTE_XQ .device/bin/bench_gpu_e2e ||
+  { echo "run352.sh: the bundle was not built with route_xq_pairs_stream_base.patch applied"; exit 1; }
 part=${1:-a}
 L=$OUT/run352$part.log
 t0=$(date +%s)
@@ -28,14 +43,16 @@ make7b() {
 }
 {
 date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
-if [ "$part" = a ]; then
-  (cd .device && tar -xJf ab.tar.xz) || exit 1
+if { [ "$part" = a ] && [ -z "${BITDELTA_SKIP_TESTS:-}" ]; } || [ "$part" = t ]; then
   stamp "gpu tests"
   BITDELTA_CLI_PATH=$root/.device/bin/bitdelta .device/bin/bitdelta_gpu_tests > $OUT/gpu_tests.log 2>&1; echo "rc $?"
   grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|Quantized" $OUT/gpu_tests.log | head -20
   stamp "kernel tests"
   .device/bin/test_cuda_fused_linear > $OUT/kt.log 2>&1; echo "rc $?"
   grep -E "^FAIL" $OUT/kt.log | head -20; grep -cE "bal. xq|x quantized before: the same" $OUT/kt.log; tail -1 $OUT/kt.log
+fi
+if [ "$part" = a ]; then
+  (cd .device && tar -xJf ab.tar.xz) || exit 1
   stamp "bench many-variants"
   .device/bin/bench_cuda_fused_linear --many-variants > $OUT/bench_b.log 2>&1; echo "rc $?"
   grep -E "b: roofline|b: floor|AB route|x quantized before|route.s" $OUT/bench_b.log
@@ -57,7 +74,70 @@ if [ "$part" = a ]; then
         $b /tmp/l7b --decode 16 --profile-case "batch 1" 2>&1 | grep -E '^batch' | tr '\n' ' ')"
     done
   done
-else
+fi
+if [ "$part" = all ]; then
+  (cd .device && tar -xJf ab.tar.xz) || exit 1
+  left() { [ $(( $(date +%s) - t0 )) -gt $1 ] && { echo "left out (time): $2"; return 0; }; return 1; }
+  stamp "gpu tests"
+  BITDELTA_CLI_PATH=$root/.device/bin/bitdelta .device/bin/bitdelta_gpu_tests > $OUT/gpu_tests.log 2>&1; echo "rc $?"
+  grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|Quantized|FewRows" $OUT/gpu_tests.log | head -20
+  stamp "kernel tests"
+  .device/bin/test_cuda_fused_linear > $OUT/kt.log 2>&1; echo "rc $?"
+  grep -E "^FAIL" $OUT/kt.log | head -20; grep -cE "bal. xq|x quantized before: the same" $OUT/kt.log; tail -1 $OUT/kt.log
+  stamp "bench many-variants"
+  .device/bin/bench_cuda_fused_linear --many-variants > $OUT/bench_b.log 2>&1; echo "rc $?"
+  grep -E "b: roofline|AB route|x quantized before|route.s" $OUT/bench_b.log
+  stamp "bench one-row"
+  .device/bin/bench_cuda_fused_linear --one-row > $OUT/bench_a.log 2>&1; echo "rc $?"
+  grep -E "chain of 20|x quantized before|GemmEx" $OUT/bench_a.log
+  stamp "7B model"
+  make7b
+  stamp "7B batch 1: this build, the A/B binary with its switches off"
+  for round in 1 2; do
+    for form in new old; do
+      left 290 "batch 1 round $round $form" && continue
+      if [ $form = new ]; then b=.device/bin/bench_gpu_e2e; else b=.device/ab/bench_gpu_e2e_ab; fi
+      echo "round $round $form: $(BITDELTA_AB_EARLY_W=0 BITDELTA_AB_PRODUCER_XQ=0 \
+        $b /tmp/l7b --decode 16 --profile-case "batch 1" 2>&1 | grep -E '^batch' | tr '\n' ' ')"
+    done
+  done
+  stamp "7B mixed: route xq x stream base"
+  for round in 1 2 3; do
+    for B in 16 32; do
+      for f in 11 00 10 01; do
+        [ $round = 3 ] || [ $f = 11 ] || [ $f = 00 ] || continue  # the switches apart: round 3 only
+        left 390 "mixed round $round B=$B $f" && continue
+        echo "round $round B=$B xq=${f:0:1} stream_base=${f:1:1}: $(BITDELTA_AB_ROUTE_XQ=${f:0:1} \
+          BITDELTA_AB_STREAM_BASE=${f:1:1} .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --batch $B \
+          --profile-case mixed 2>&1 | grep -E '^batch' | tr '\n' ' ')"
+      done
+    done
+  done
+  stamp "e2e table"
+  left 420 "e2e table" || {
+    .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --out $OUT/e2e.json > $OUT/e2e.log 2>&1; echo "rc $?"
+    grep -vE "^v[0-9]|replayed as CUDA" $OUT/e2e.log
+  }
+fi
+if [ "$part" = b ]; then
+  stamp "7B model"
+  make7b
+  stamp "7B mixed: route xq x stream base"
+  for round in 1 2; do
+    for B in 16 32; do
+      for f in 11 00 10 01; do
+        [ $(( $(date +%s) - t0 )) -gt 380 ] && { echo "round $round B=$B $f: left out (time)"; continue; }
+        echo "round $round B=$B xq=${f:0:1} stream_base=${f:1:1}: $(BITDELTA_AB_ROUTE_XQ=${f:0:1} \
+          BITDELTA_AB_STREAM_BASE=${f:1:1} .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --batch $B \
+          --profile-case mixed 2>&1 | grep -E '^batch' | tr '\n' ' ')"
+      done
+    done
+  done
+  stamp "e2e table"
+  .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --out $OUT/e2e.json > $OUT/e2e.log 2>&1; echo "rc $?"
+  grep -vE "^v[0-9]|replayed as CUDA" $OUT/e2e.log
+fi
+if [ "$part" = c ] || [ "$part" = t ]; then
   for sfx in "" 90; do
     ptx=$root/.device/bin-ptx$sfx
     stamp "portable$sfx gpu tests"
@@ -68,11 +148,6 @@ else
     CUDA_CACHE_PATH=/tmp/ptx$sfx-cache $ptx/test_cuda_fused_linear > $OUT/portable${sfx}_kt.log 2>&1; echo "rc $?"
     grep -E "^FAIL" $OUT/portable${sfx}_kt.log | head -10; head -1 $OUT/portable${sfx}_kt.log; tail -1 $OUT/portable${sfx}_kt.log
   done
-  stamp "7B model"
-  make7b
-  stamp "e2e table"
-  .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --out $OUT/e2e.json > $OUT/e2e.log 2>&1; echo "rc $?"
-  grep -vE "^v[0-9]|replayed as CUDA" $OUT/e2e.log
 fi
 stamp done
 } > $L 2>&1
