@@ -346,8 +346,9 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // parts: kBoth, or one branch alone (the fork and join kept): what each takes in the same form.
   // kStreamBase: the streaming kernel with no delta takes the base instead of cuBLAS (alone at 4096²,
   // 16 rows: 15.5 against 18.5 µs, run 346; beside the terms it gained only at 4096², run 348).
-  // kXqBefore (pending A/B, session 46): x's 16 rows quantized once before (pairs form), the terms'
-  // quantizing launch left out: the ceiling of the producing kernels quantizing x for the route.
+  // kXqBefore: x's 16 rows quantized once before (pairs form), the terms' quantizing launch left out:
+  // the route as the producing kernels quantizing x for it would run it (the pending patch of part
+  // 48 in the engine).
   enum Parts { kBoth = 3, kBaseAlone = 1, kTermsAlone = 2, kStreamBase = 4, kXqBefore = 8 };
   DeviceMem xq16(bcuda::quantized_x_bytes(kVariants, K));
   bcuda::quantize_x(X, kVariants, K, static_cast<uint8_t*>(xq16.ptr), nullptr, true);
@@ -431,15 +432,16 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       }
     }
     const double bytes = double(wbytes + sbytes) + N * 4.0;
-    // One row of variant 0 with these options, timed alone.
-    const auto time_row = [&](const bcuda::DecodeOptions& o) {
-      return time_us(
-          [&](int s) {
-            const DeltaRef d = delta(s, 0);
-            bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, o);
-          },
-          reps);
+    // One row of variant 0 with these options: timed alone (time_row), or in chains of 20 calls back
+    // to back, each free to start during the last (as a step's kernels are: chain_row).
+    const auto row_call = [&](const bcuda::DecodeOptions& o) {
+      return [&, o](int s) {
+        const DeltaRef d = delta(s, 0);
+        bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, o);
+      };
     };
+    const auto time_row = [&](const bcuda::DecodeOptions& o) { return time_us(row_call(o), reps); };
+    const auto chain_row = [&](const bcuda::DecodeOptions& o) { return time_chain_us(row_call(o), 20); };
     // The engine's choice for one row: the register kernel on the balanced grid.
     add({shape, "a: 1 row 1 variant", "balanced grid (default)", time_row({0, 0, kBalanced}), bytes, t_cublas,
          "x cuBLAS"});
@@ -471,25 +473,14 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       bcuda::DecodeOptions o{0, 0, kRegisters};
       o.xq = q;
       add({shape, "a: 1 row 1 variant", "registers, x quantized before", time_row(o), bytes, t_cublas, "x cuBLAS"});
-      // 20 calls back to back, each free to start during the last (as a step's kernels are).
       for (auto kernel : {kBalanced, kRegisters}) {
-        const double tc = time_chain_us(
-            [&](int s) {
-              const DeltaRef d = delta(s, 0);
-              bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, {0, 0, kernel});
-            },
-            20);
+        const double tc = chain_row({0, 0, kernel});
         add({shape, "a: 1 row 1 variant", kernel == kBalanced ? "balanced, chain of 20" : "registers, chain of 20", tc,
              bytes, t_cublas, "x cuBLAS"});
       }
       {  // The chain's share of the quantizing launch (the register kernel with x quantized before),
          // and the balanced grid with no delta at all.
-        const double tq20 = time_chain_us(
-            [&](int s) {
-              const DeltaRef d = delta(s, 0);
-              bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, o);
-            },
-            20);
+        const double tq20 = chain_row(o);
         add({shape, "a: 1 row 1 variant", "registers, chain of 20, x quantized before", tq20, bytes, t_cublas,
              "x cuBLAS"});
         const DeltaRef none{};
@@ -506,14 +497,8 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
         bcuda::DecodeOptions ob{0, 0, kBalanced};
         ob.xq = q;
         add({shape, "a: 1 row 1 variant", "balanced, x quantized before", time_row(ob), bytes, t_cublas, "x cuBLAS"});
-        const double tx = time_chain_us(
-            [&](int s) {
-              const DeltaRef d = delta(s, 0);
-              bcuda::fused_linear_decode(W(s), N, K, X, 1, {&d, 1}, Y, nullptr, ob);
-            },
-            20);
-        add({shape, "a: 1 row 1 variant", "balanced, chain of 20, x quantized before", tx, bytes, t_cublas,
-             "x cuBLAS"});
+        add({shape, "a: 1 row 1 variant", "balanced, chain of 20, x quantized before", chain_row(ob), bytes,
+             t_cublas, "x cuBLAS"});
       }
       const double tq = time_us([&](int) { bcuda::quantize_x(X, 1, K, q, nullptr); }, reps);
       add({shape, "a: quantize x", "quantize_x alone (1 row)", tq, K * 2.0 + double(bcuda::quantized_x_bytes(1, K)), 0, ""});
@@ -674,10 +659,10 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
              parts == kTermsAlone ? bytes - double(wbytes) : (parts & kTermsAlone) ? bytes : double(wbytes), roof,
              "x roofline"});
       }
-      // Pending A/B (session 46): the route with x quantized before, against the route as it is,
-      // alternated twice; and its terms alone that way. Session 47: also with the streaming kernel
-      // as the base (a launch that starts early, unlike cuBLAS's; run 348: 20.21 µs with the terms
-      // at 4096² against cuBLAS's 20.54).
+      // The route with x quantized before, and with the streaming kernel as its base too (a launch
+      // that starts early, unlike cuBLAS's; run 348: 20.21 µs with the terms at 4096² against
+      // cuBLAS's 20.54), against the route as committed, alternated twice ("AB route" rows: the
+      // names runs 351 on compare); and its terms alone with x quantized before.
       for (int round = 0; round < 2; ++round)
         for (int parts : {int(kBoth), kBoth | kXqBefore, kBoth | kXqBefore | kStreamBase}) {
           if ((parts & kStreamBase) && !stream_runs) continue;

@@ -41,32 +41,36 @@ make7b() {
   cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json \
     /tmp/l7b/base/
 }
-{
-date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
-if { [ "$part" = a ] && [ -z "${BITDELTA_SKIP_TESTS:-}" ]; } || [ "$part" = t ]; then
+# Each stage is left out once the call has run past its limit (seconds), so that the call ends
+# with its logs before the 600 s it may take.
+left() { [ $(( $(date +%s) - t0 )) -gt $1 ] && { echo "left out (time): $2"; return 0; }; return 1; }
+tests() {  # the normal build's GPU tests and kernel checks
   stamp "gpu tests"
   BITDELTA_CLI_PATH=$root/.device/bin/bitdelta .device/bin/bitdelta_gpu_tests > $OUT/gpu_tests.log 2>&1; echo "rc $?"
-  grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|Quantized" $OUT/gpu_tests.log | head -20
+  grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|Quantized|FewRows" $OUT/gpu_tests.log | head -20
   stamp "kernel tests"
   .device/bin/test_cuda_fused_linear > $OUT/kt.log 2>&1; echo "rc $?"
   grep -E "^FAIL" $OUT/kt.log | head -20; grep -cE "bal. xq|x quantized before: the same" $OUT/kt.log; tail -1 $OUT/kt.log
-fi
-if [ "$part" = a ]; then
-  (cd .device && tar -xJf ab.tar.xz) || exit 1
+}
+benches() {
   stamp "bench many-variants"
   .device/bin/bench_cuda_fused_linear --many-variants > $OUT/bench_b.log 2>&1; echo "rc $?"
   grep -E "b: roofline|b: floor|AB route|x quantized before|route.s" $OUT/bench_b.log
   stamp "bench one-row"
   .device/bin/bench_cuda_fused_linear --one-row > $OUT/bench_a.log 2>&1; echo "rc $?"
   grep -E "chain of 20|x quantized before|GemmEx" $OUT/bench_a.log
-  stamp "7B model"
+}
+batch1() {  # limit, forms: new (this build), old / on (the A/B binary, its switches off / on)
+  local limit=$1 round form b e p
+  shift
+  (cd .device && tar -xJf ab.tar.xz) || return 1
   make7b
-  stamp "7B batch 1: this build against the A/B binary (switches off, on)"
+  stamp "7B batch 1: $*"
   for round in 1 2; do
-    for form in new old on; do
-      [ $(( $(date +%s) - t0 )) -gt 540 ] && { echo "round $round $form: left out (time)"; continue; }
+    for form in "$@"; do
+      left $limit "batch 1 round $round $form" && continue
       case $form in
-        new) b=.device/bin/bench_gpu_e2e; e=0; p=1 ;;
+        new) b=.device/bin/bench_gpu_e2e; e=0; p=0 ;;
         old) b=.device/ab/bench_gpu_e2e_ab; e=0; p=0 ;;
         on) b=.device/ab/bench_gpu_e2e_ab; e=1; p=1 ;;
       esac
@@ -74,70 +78,33 @@ if [ "$part" = a ]; then
         $b /tmp/l7b --decode 16 --profile-case "batch 1" 2>&1 | grep -E '^batch' | tr '\n' ' ')"
     done
   done
-fi
-if [ "$part" = all ]; then
-  (cd .device && tar -xJf ab.tar.xz) || exit 1
-  left() { [ $(( $(date +%s) - t0 )) -gt $1 ] && { echo "left out (time): $2"; return 0; }; return 1; }
-  stamp "gpu tests"
-  BITDELTA_CLI_PATH=$root/.device/bin/bitdelta .device/bin/bitdelta_gpu_tests > $OUT/gpu_tests.log 2>&1; echo "rc $?"
-  grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|Quantized|FewRows" $OUT/gpu_tests.log | head -20
-  stamp "kernel tests"
-  .device/bin/test_cuda_fused_linear > $OUT/kt.log 2>&1; echo "rc $?"
-  grep -E "^FAIL" $OUT/kt.log | head -20; grep -cE "bal. xq|x quantized before: the same" $OUT/kt.log; tail -1 $OUT/kt.log
-  stamp "bench many-variants"
-  .device/bin/bench_cuda_fused_linear --many-variants > $OUT/bench_b.log 2>&1; echo "rc $?"
-  grep -E "b: roofline|AB route|x quantized before|route.s" $OUT/bench_b.log
-  stamp "bench one-row"
-  .device/bin/bench_cuda_fused_linear --one-row > $OUT/bench_a.log 2>&1; echo "rc $?"
-  grep -E "chain of 20|x quantized before|GemmEx" $OUT/bench_a.log
-  stamp "7B model"
+}
+mixed() {  # limit, then the settings (route xq, stream base) of each round, rounds apart by ","
+  local limit=$1 round=0 set B f
   make7b
-  stamp "7B batch 1: this build, the A/B binary with its switches off"
-  for round in 1 2; do
-    for form in new old; do
-      left 290 "batch 1 round $round $form" && continue
-      if [ $form = new ]; then b=.device/bin/bench_gpu_e2e; else b=.device/ab/bench_gpu_e2e_ab; fi
-      echo "round $round $form: $(BITDELTA_AB_EARLY_W=0 BITDELTA_AB_PRODUCER_XQ=0 \
-        $b /tmp/l7b --decode 16 --profile-case "batch 1" 2>&1 | grep -E '^batch' | tr '\n' ' ')"
-    done
-  done
   stamp "7B mixed: route xq x stream base"
-  for round in 1 2 3; do
+  IFS=, read -ra rounds <<< "$2"
+  for set in "${rounds[@]}"; do
+    round=$((round + 1))
     for B in 16 32; do
-      for f in 11 00 10 01; do
-        [ $round = 3 ] || [ $f = 11 ] || [ $f = 00 ] || continue  # the switches apart: round 3 only
-        left 390 "mixed round $round B=$B $f" && continue
+      for f in $set; do
+        left $limit "mixed round $round B=$B $f" && continue
         echo "round $round B=$B xq=${f:0:1} stream_base=${f:1:1}: $(BITDELTA_AB_ROUTE_XQ=${f:0:1} \
           BITDELTA_AB_STREAM_BASE=${f:1:1} .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --batch $B \
           --profile-case mixed 2>&1 | grep -E '^batch' | tr '\n' ' ')"
       done
     done
   done
-  stamp "e2e table"
-  left 420 "e2e table" || {
-    .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --out $OUT/e2e.json > $OUT/e2e.log 2>&1; echo "rc $?"
-    grep -vE "^v[0-9]|replayed as CUDA" $OUT/e2e.log
-  }
-fi
-if [ "$part" = b ]; then
-  stamp "7B model"
+}
+table() {
   make7b
-  stamp "7B mixed: route xq x stream base"
-  for round in 1 2; do
-    for B in 16 32; do
-      for f in 11 00 10 01; do
-        [ $(( $(date +%s) - t0 )) -gt 380 ] && { echo "round $round B=$B $f: left out (time)"; continue; }
-        echo "round $round B=$B xq=${f:0:1} stream_base=${f:1:1}: $(BITDELTA_AB_ROUTE_XQ=${f:0:1} \
-          BITDELTA_AB_STREAM_BASE=${f:1:1} .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --batch $B \
-          --profile-case mixed 2>&1 | grep -E '^batch' | tr '\n' ' ')"
-      done
-    done
-  done
   stamp "e2e table"
+  left $1 "e2e table" && return
   .device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --out $OUT/e2e.json > $OUT/e2e.log 2>&1; echo "rc $?"
   grep -vE "^v[0-9]|replayed as CUDA" $OUT/e2e.log
-fi
-if [ "$part" = c ] || [ "$part" = t ]; then
+}
+portable() {  # the two PTX builds' GPU tests and kernel checks
+  local sfx ptx
   for sfx in "" 90; do
     ptx=$root/.device/bin-ptx$sfx
     stamp "portable$sfx gpu tests"
@@ -148,7 +115,17 @@ if [ "$part" = c ] || [ "$part" = t ]; then
     CUDA_CACHE_PATH=/tmp/ptx$sfx-cache $ptx/test_cuda_fused_linear > $OUT/portable${sfx}_kt.log 2>&1; echo "rc $?"
     grep -E "^FAIL" $OUT/portable${sfx}_kt.log | head -10; head -1 $OUT/portable${sfx}_kt.log; tail -1 $OUT/portable${sfx}_kt.log
   done
-fi
+}
+{
+date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+case $part in
+  a) [ -n "${BITDELTA_SKIP_TESTS:-}" ] || tests; benches; batch1 540 new old on ;;
+  b) mixed 380 "11 00 10 01,11 00 10 01"; table 600 ;;
+  c) portable ;;
+  t) tests; portable ;;
+  all) tests; benches; batch1 290 new old; mixed 390 "11 00,11 00,10 01"; table 420 ;;
+  *) echo "run352.sh: no part $part (a, b, c, t, all)"; exit 1 ;;
+esac
 stamp done
 } > $L 2>&1
 tail -c 11000 $L
