@@ -15,10 +15,8 @@
 #include "backend/cpu/ops.h"
 #include "backend/cuda/code_arch.h"
 #include "backend/cuda/device_model.h"
-#include "backend/cuda/fused_linear_decode.cuh"
 #include "backend/cuda/ops.cuh"
 #include "bitdelta/dtype.h"
-#include "bitdelta/error.h"
 #include "test_util.h"
 
 namespace bitdelta {
@@ -458,79 +456,6 @@ TEST_F(GpuOps, DeltaTermsFoldedIntoTheConsumerEqualAddTo) {
     };
     const auto [added, folded] = both(randn(size_t(rows) * 2 * n, 68, 3.0f), randn(size_t(rows) * 2 * n, 69, 0.3f), op);
     EXPECT_EQ(folded, added) << "swiglu, n " << n;
-  }
-}
-
-// One row of a variant (device_model.cu, xq1): the norm and SwiGLU also write their output quantized
-// for the delta term. Their bf16 output is the same as without (exactly), and the quantized bytes are
-// quantize_x's of that output (exactly; the buffers poisoned alike first, so a byte written by one
-// and not the other shows). Hidden sizes in both of the norm's forms and off a multiple of 256; n in
-// SwiGLU's vector form (11008, and 1000: its last 256-column block partial) and its scalar form,
-// with the delta terms and without. More than one row is refused.
-TEST_F(GpuOps, NormAndSwigluWriteTheirOneRowQuantizedAsQuantizeXDoes) {
-  const auto quantized_as_quantize_x = [](const Buf<__nv_bfloat16>& out, int K, const Buf<uint8_t>& got) {
-    Buf<uint8_t> want(got.n);
-    EXPECT_EQ(cudaMemset(want.p, 0xA5, want.n), cudaSuccess);
-    cuda::quantize_x(out.p, 1, K, want.p, nullptr);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    return got.get() == want.get();
-  };
-  for (const int hidden : {4096, 4096 + 64, 11008 + 5}) {
-    SCOPED_TRACE(testing::Message() << "add_rmsnorm, hidden " << hidden);
-    const auto e = randn(size_t(8) * hidden, 70), n = randn(size_t(hidden) * 2, 71);
-    Buf<__nv_bfloat16> de(e.size());
-    de.put(to_bf16(e));
-    Buf<float> dn(n.size());
-    dn.put(n);
-    const std::vector<cuda::RowDesc> desc{{3, 0, 0, nullptr, de.p, dn.p, nullptr}};
-    Buf<cuda::RowDesc> ddesc(1);
-    ddesc.put(desc);
-    const auto addv = randn(size_t(hidden), 72), termv = randn(size_t(hidden), 73, 0.1f);
-    Buf<float> add(addv.size()), terms(termv.size());
-    add.put(addv);
-    terms.put(termv);
-    // x, then out, for one run with or without xq
-    const auto run = [&](uint8_t* xq) {
-      Buf<float> x{size_t(hidden)};
-      Buf<__nv_bfloat16> out{size_t(hidden)};
-      cuda::embed_rows(ddesc.p, 1, hidden, x.p, nullptr);
-      cuda::add_rmsnorm(x.p, add.p, ddesc.p, nullptr, 1, hidden, hidden, -1, 1e-5f, out.p, nullptr, terms.p, xq);
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      return std::pair{x.get(), out.get()};
-    };
-    Buf<uint8_t> xq(cuda::quantized_x_bytes(1, hidden));
-    CUDA_OK(cudaMemset(xq.p, 0xA5, xq.n));
-    const auto [x0, out0] = run(nullptr);
-    const auto [x1, out1] = run(xq.p);
-    EXPECT_EQ(x1, x0);
-    EXPECT_EQ(to_f32(out1), to_f32(out0));
-    Buf<__nv_bfloat16> dout(out1.size());
-    dout.put(out1);
-    EXPECT_TRUE(quantized_as_quantize_x(dout, hidden, xq));
-    Buf<float> x2(size_t(2) * hidden);
-    Buf<__nv_bfloat16> out2(size_t(2) * hidden);
-    EXPECT_THROW(cuda::add_rmsnorm(x2.p, nullptr, ddesc.p, nullptr, 2, hidden, hidden, -1, 1e-5f, out2.p, nullptr,
-                                   nullptr, xq.p),
-                 Error);
-  }
-  for (const int n : {11008, 1000, 11008 + 5}) {
-    for (const bool with_terms : {false, true}) {
-      SCOPED_TRACE(testing::Message() << "swiglu, n " << n << (with_terms ? ", with terms" : ""));
-      const auto gu = randn(size_t(2) * n, 74, 3.0f), t = randn(size_t(2) * n, 75, 0.3f);
-      Buf<float> dgu(gu.size()), dt(t.size());
-      dgu.put(gu);
-      dt.put(t);
-      const float* terms = with_terms ? dt.p : nullptr;
-      Buf<__nv_bfloat16> plain{size_t(n)}, out{size_t(n)};
-      cuda::swiglu(dgu.p, dgu.p + n, 2 * n, 1, n, plain.p, nullptr, terms);
-      Buf<uint8_t> xq(cuda::quantized_x_bytes(1, n));
-      CUDA_OK(cudaMemset(xq.p, 0xA5, xq.n));
-      cuda::swiglu(dgu.p, dgu.p + n, 2 * n, 1, n, out.p, nullptr, terms, xq.p);
-      CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_EQ(to_f32(out.get()), to_f32(plain.get()));
-      EXPECT_TRUE(quantized_as_quantize_x(out, n, xq));
-      EXPECT_THROW(cuda::swiglu(dgu.p, dgu.p + n, n, 2, n, out.p, nullptr, nullptr, xq.p), Error);
-    }
   }
 }
 

@@ -195,16 +195,6 @@ __device__ __forceinline__ void quantize_x_item(const __nv_bfloat16* x, int K, b
                 reinterpret_cast<float2*>(blk) + r, pair_group);
 }
 
-// Item j of row r's 256-column block kb, its 32 columns already in raw (as load_item gives them),
-// into xq (quantize_x's layout, blocks of xq_block bytes): for a kernel that has just computed x and
-// writes it quantized too. The 8 lanes of the block's group take part, as in quantize_x_item.
-__device__ __forceinline__ void store_x_item(const uint32_t (&raw)[16], int r, int kb, int j, uint8_t* xq,
-                                             int xq_block) {
-  uint8_t* blk = xq + size_t(kb) * xq_block;
-  quantize_item(raw, j, 0xFFu << (threadIdx.x & 24), reinterpret_cast<uint32_t*>(blk + kQuantizedPlanes) + r * 128,
-                reinterpret_cast<float2*>(blk) + r);
-}
-
 // after_loads(): called once by every thread, after its first loads of x are issued.
 template <typename F>
 __device__ __forceinline__ void quantize_row_shared(const __nv_bfloat16* x, int K, bool aligned, uint8_t* xs,

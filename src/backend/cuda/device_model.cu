@@ -441,11 +441,6 @@ struct DeviceModel::Impl {
   float *x = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
         *down = nullptr, *logits = nullptr;
   bf16 *h = nullptr, *attn = nullptr, *act = nullptr;
-  // A step of one row of a variant: h and act quantized for the delta term by the kernels that
-  // write them (add_rmsnorm, swiglu), which the one-row linears reading them take as
-  // DecodeOptions::xq instead of quantizing x in each of their blocks (run 351, chains of 20 at
-  // 4096²: 10.4 µs against 10.9).
-  uint8_t* xq1 = nullptr;
   RowDesc* rows_dev = nullptr;
   int* map_dev = nullptr;
   int2* tiles_dev = nullptr;
@@ -556,8 +551,7 @@ struct DeviceModel::Impl {
     const size_t qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim, V = c.vocab_size;
     const size_t sizes[] = {R * H * 4,  R * (qd + 2 * kvd) * 4, R * kvd * 4, R * kvd * 4, R * H * 4,
                             R * 2 * I * 4,  R * I * 4,  R * H * 4,   R * V * 4,   R * std::max({H, qd}) * 2,
-                            R * qd * 2, R * I * 2,  R * sizeof(RowDesc), R * 4, R * sizeof(int2),
-                            quantized_x_bytes(1, int(std::max(H, I)))};
+                            R * qd * 2, R * I * 2,  R * sizeof(RowDesc), R * 4, R * sizeof(int2)};
     size_t total = 0;
     for (size_t s : sizes) total += align_up(s);
     if (scratch) cudaFreeAsync(scratch, ctx->stream);
@@ -584,7 +578,6 @@ struct DeviceModel::Impl {
     rows_dev = reinterpret_cast<RowDesc*>(take(sizes[12]));
     map_dev = reinterpret_cast<int*>(take(sizes[13]));
     tiles_dev = reinterpret_cast<int2*>(take(sizes[14]));
-    xq1 = reinterpret_cast<uint8_t*>(take(sizes[15]));
     cap_rows = R;
     const size_t in_bytes = R * (sizeof(RowDesc) + 4 + sizeof(int2)) + 8;
     if (in_bytes > host_in_bytes) {
@@ -606,9 +599,8 @@ struct DeviceModel::Impl {
   // `terms` the caller takes it apart (*terms, or null where no row took that route) and the kernel
   // that consumes y adds it as it reads y; without, y += it here (ops.cuh add_to). The buffer is
   // the step's until the next linear.
-  // xq: x quantized by the kernel that wrote it (one row only; see xq1), or null.
   void linear(const std::vector<const LinearOnDevice*>& lin, const bf16* xin, int K, float* y, int N,
-              const float** terms = nullptr, const uint8_t* xq = nullptr) {
+              const float** terms = nullptr) {
     const size_t R = lin.size();
     std::vector<DeltaRef> deltas;
     float* t = nullptr;  // the delta terms' buffer, once the side stream is forked
@@ -683,9 +675,7 @@ struct DeviceModel::Impl {
       b = std::min(b, a + kDecodeRows);
       deltas.clear();
       for (size_t i = a; i < b; ++i) deltas.push_back(lin[i]->delta);
-      DecodeOptions o;
-      o.xq = xq;  // (forward passes one only for a step of one row)
-      fused_linear_decode(lin[a]->w, N, K, xin + a * size_t(K), int(b - a), deltas, y + a * size_t(N), ctx->stream, o);
+      fused_linear_decode(lin[a]->w, N, K, xin + a * size_t(K), int(b - a), deltas, y + a * size_t(N), ctx->stream);
       a = b;
     }
     if (t) ctx->beside->join(ctx->stream);
@@ -992,23 +982,18 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
   // join, the 7B mixed step (run 343, alternated twice, NOTES.md part 41): normal build batch 8
   // 6.45 / 6.51 → 6.38 / 6.35 ms, 64 19.15 / 19.10 → 18.52 / 18.57, 32 level; compute_80 build
   // batch 8 6.68 / 6.81 → 6.48 / 6.50, 32 11.63 / 11.73 → 11.43 / 11.38.
-  // One row of a variant (not the base): the norms and SwiGLU write their output quantized too (xq1),
-  // for the linears after them.
-  uint8_t* const xq = R == 1 && var[0] != m.variants[0].get() ? m.xq1 : nullptr;
-  auto linear = [&](int layer, int kind, const bf16* xin, int K, float* y, int N, const float** terms = nullptr,
-                    const uint8_t* xq_in = nullptr) {
+  auto linear = [&](int layer, int kind, const bf16* xin, int K, float* y, int N, const float** terms = nullptr) {
     for (size_t i = 0; i < R; ++i) lin[i] = &var[i]->layers[size_t(layer)][size_t(kind)];
-    m.linear(lin, xin, K, y, N, terms, xq_in);
+    m.linear(lin, xin, K, y, N, terms);
   };
   // q|k|v (fused group 0) or gate|up (1) as one launch when every row's variant has it fused.
-  auto fused_linear = [&](int layer, int group, const bf16* xin, int K, float* y, int N, const float** terms,
-                          const uint8_t* xq_in) {
+  auto fused_linear = [&](int layer, int group, const bf16* xin, int K, float* y, int N, const float** terms) {
     *terms = nullptr;
     for (size_t i = 0; i < R; ++i) {
       lin[i] = &var[i]->fused[size_t(layer)][size_t(group)];
       if (!lin[i]->w) return false;
     }
-    m.linear(lin, xin, K, y, N, terms, xq_in);
+    m.linear(lin, xin, K, y, N, terms);
     return true;
   };
   const float eps = float(c.rms_eps), scale = 1.0f / std::sqrt(float(hd));
@@ -1019,8 +1004,8 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
     embed_rows(m.rows_dev, int(R), H, m.x, s);
     const float* terms = nullptr;  // the delta terms of the last linear, for its consumer
     for (int l = 0; l < L; ++l) {
-      add_rmsnorm(m.x, l ? m.down : nullptr, m.rows_dev, nullptr, int(R), H, 2 * l * H, -1, eps, m.h, s, terms, xq);
-      if (fused_linear(l, 0, m.h, H, m.q, qd + 2 * kvd, &terms, xq)) {
+      add_rmsnorm(m.x, l ? m.down : nullptr, m.rows_dev, nullptr, int(R), H, 2 * l * H, -1, eps, m.h, s, terms);
+      if (fused_linear(l, 0, m.h, H, m.q, qd + 2 * kvd, &terms)) {
         bias_rope_store(m.q, m.q + qd, m.q + qd + kvd, qd + 2 * kvd, qd + 2 * kvd, m.rows_dev, int(R), l, heads, kvh,
                         hd, H, m.inv_freq, s, terms);
         attention(m.q, qd + 2 * kvd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, heads, kvh, hd, scale, m.attn, s);
@@ -1028,9 +1013,9 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
           attention_prompt(m.prefill->handle(), m.q, qd + 2 * kvd, desc[run.x], run.x, run.y, l, heads, kvh, hd, scale,
                            m.attn, s);
       } else {
-        linear(l, kQ, m.h, H, m.q, qd, nullptr, xq);
-        linear(l, kK, m.h, H, m.k, kvd, nullptr, xq);
-        linear(l, kV, m.h, H, m.v, kvd, nullptr, xq);
+        linear(l, kQ, m.h, H, m.q, qd);
+        linear(l, kK, m.h, H, m.k, kvd);
+        linear(l, kV, m.h, H, m.v, kvd);
         bias_rope_store(m.q, m.k, m.v, qd, kvd, m.rows_dev, int(R), l, heads, kvh, hd, H, m.inv_freq, s);
         attention(m.q, qd, m.rows_dev, m.tiles_dev, n_tiles, max_tile, max_position, l, heads, kvh, hd, scale, m.attn, s);
         for (const int2 run : prompt_runs)
@@ -1038,15 +1023,15 @@ std::vector<float> DeviceModel::forward(std::span<const DeviceRow> in) {
       }
       linear(l, kO, m.attn, qd, m.o, H, &terms);
       add_rmsnorm(m.x, m.o, m.rows_dev, nullptr, int(R), H, (2 * l + 1) * H,
-                  c.o_bias ? l * bias_stride + qd + 2 * kvd : -1, eps, m.h, s, terms, xq);
-      if (fused_linear(l, 1, m.h, H, m.gate, 2 * I, &terms, xq)) {
-        swiglu(m.gate, m.gate + I, 2 * I, int(R), I, m.act, s, terms, xq);
+                  c.o_bias ? l * bias_stride + qd + 2 * kvd : -1, eps, m.h, s, terms);
+      if (fused_linear(l, 1, m.h, H, m.gate, 2 * I, &terms)) {
+        swiglu(m.gate, m.gate + I, 2 * I, int(R), I, m.act, s, terms);
       } else {
-        linear(l, kGate, m.h, H, m.gate, I, nullptr, xq);
-        linear(l, kUp, m.h, H, m.up, I, nullptr, xq);
-        swiglu(m.gate, m.up, I, int(R), I, m.act, s, nullptr, xq);
+        linear(l, kGate, m.h, H, m.gate, I);
+        linear(l, kUp, m.h, H, m.up, I);
+        swiglu(m.gate, m.up, I, int(R), I, m.act, s);
       }
-      linear(l, kDown, m.act, I, m.down, H, &terms, xq);
+      linear(l, kDown, m.act, I, m.down, H, &terms);
     }
     if (W > 0) {
       add_rmsnorm(m.x, m.down, m.rows_dev, m.map_dev, int(W), H, 2 * L * H, -1, eps, m.h, s, terms);

@@ -7,7 +7,6 @@
 #include <type_traits>
 
 #include "cuda_check.cuh"
-#include "delta_b1.cuh"
 #include "launch.cuh"
 #include "mma.cuh"
 #include "stream_scratch.cuh"
@@ -55,14 +54,11 @@ __global__ void embed_kernel(const RowDesc* rows, int hidden, float* x) {
 // their norm weights in registers, all loaded before the sum of squares, so that the row costs one
 // round trip to memory (reading x again and the weights after the sum took 6.9 µs per launch at
 // batch 1 on the 7B shape, against 5.1 µs this way: ncu, runs 59 and 61).
-// XQ (one row): the row's bf16 values also go to shared memory (hidden rounded up to 256 columns,
-// the rest zeros; dynamic) and from there to xq, quantized as quantize_x does it, a thread per 32
-// columns.
-template <int PER, bool XQ>
+template <int PER>
 __global__ void __launch_bounds__(1024) add_rmsnorm_kernel(float* x, const float* add, const float* terms,
                                                            const RowDesc* rows, const int* row_map, int hidden,
                                                            int norm_offset, int bias_offset, float eps,
-                                                           __nv_bfloat16* out, uint8_t* xq) {
+                                                           __nv_bfloat16* out) {
   pdl_launch_dependents();  // launch.cuh
   // Before the wait: the row's descriptor and its norm weights (launch.cuh: the step's descriptors are
   // copied in before its first kernel, the weights before any step), off the path after it.
@@ -102,28 +98,10 @@ __global__ void __launch_bounds__(1024) add_rmsnorm_kernel(float* x, const float
   }
   sum = block_sum(sum);
   const float inv = 1.0f / sqrtf(sum / float(hidden) + eps);
-  extern __shared__ uint4 norm_row_smem[];
-  __nv_bfloat16* const staged = reinterpret_cast<__nv_bfloat16*>(norm_row_smem);
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
-    if (i < hidden) {
-      const __nv_bfloat16 o = __float2bfloat16(wv[k] * (v[k] * inv));
-      out[size_t(blockIdx.x) * hidden + i] = o;
-      if (XQ) staged[i] = o;
-    }
-  }
-  if (XQ) {
-    const int padded = (hidden + 255) / 256 * 256, items = padded / 32;
-    for (int i = hidden + int(threadIdx.x); i < padded; i += blockDim.x) staged[i] = __float2bfloat16(0.0f);
-    __syncthreads();
-    for (int a = threadIdx.x; a < items; a += blockDim.x) {  // whole groups of 8 (items: a multiple of 8)
-      uint32_t raw[16];
-      const uint32_t* src = reinterpret_cast<const uint32_t*>(staged) + a * 16;
-#pragma unroll
-      for (int m = 0; m < 16; ++m) raw[m] = src[m];
-      store_x_item(raw, 0, a >> 3, a & 7, xq, quantized_x_block(1));
-    }
+    if (i < hidden) out[size_t(blockIdx.x) * hidden + i] = __float2bfloat16(wv[k] * (v[k] * inv));
   }
 }
 
@@ -914,57 +892,6 @@ __global__ void add_to_kernel(float* y, const float* d, size_t n) {
 // Row blockIdx.y; Vec: 4 columns per thread (float4 loads, 8-byte stores), for n, stride a
 // multiple of 4 and 16-byte aligned rows. One column per thread took 26.8 µs per launch at 512 rows
 // on the 7B shape (ncu, run 79).
-// One row with xq: a thread per 32 columns (an item of quantize_x), which it computes as
-// swiglu_kernel does (the same floats), stores, and quantizes into xq. Vec: float4 loads and 16-byte
-// stores (n a multiple of 4, gate, up and the terms 16-byte aligned, out too).
-template <bool Vec>
-__global__ void swiglu_quantize_kernel(const float* gate, const float* up, const float* tg, const float* tu, int n,
-                                       __nv_bfloat16* out, uint8_t* xq) {
-  pdl_launch_dependents();  // launch.cuh
-  pdl_wait();
-  const int a = blockIdx.x * blockDim.x + threadIdx.x, items = (n + 255) / 256 * 8;
-  if (a >= items) return;  // whole groups of 8 lanes (items: a multiple of 8)
-  const int c0 = a * 32;
-  float g[32], u[32];
-  if (Vec && c0 + 32 <= n) {
-#pragma unroll
-    for (int v = 0; v < 8; ++v) {
-      const float4 gv = reinterpret_cast<const float4*>(gate + c0)[v], uv = reinterpret_cast<const float4*>(up + c0)[v];
-      g[4 * v] = gv.x, g[4 * v + 1] = gv.y, g[4 * v + 2] = gv.z, g[4 * v + 3] = gv.w;
-      u[4 * v] = uv.x, u[4 * v + 1] = uv.y, u[4 * v + 2] = uv.z, u[4 * v + 3] = uv.w;
-      if (tg) {
-        const float4 tgv = reinterpret_cast<const float4*>(tg + c0)[v], tuv = reinterpret_cast<const float4*>(tu + c0)[v];
-        g[4 * v] += tgv.x, g[4 * v + 1] += tgv.y, g[4 * v + 2] += tgv.z, g[4 * v + 3] += tgv.w;
-        u[4 * v] += tuv.x, u[4 * v + 1] += tuv.y, u[4 * v + 2] += tuv.z, u[4 * v + 3] += tuv.w;
-      }
-    }
-  } else {
-#pragma unroll
-    for (int m = 0; m < 32; ++m) {
-      const int c = c0 + m;
-      g[m] = c < n ? gate[c] + (tg ? tg[c] : 0.0f) : 0.0f;
-      u[m] = c < n ? up[c] + (tu ? tu[c] : 0.0f) : 0.0f;
-    }
-  }
-  uint32_t raw[16];
-#pragma unroll
-  for (int m = 0; m < 16; ++m) {
-    const bool lo_in = c0 + 2 * m < n, hi_in = c0 + 2 * m + 1 < n;
-    const __nv_bfloat162 p = __floats2bfloat162_rn(lo_in ? silu_times(g[2 * m], u[2 * m]) : 0.0f,
-                                                   hi_in ? silu_times(g[2 * m + 1], u[2 * m + 1]) : 0.0f);
-    raw[m] = *reinterpret_cast<const uint32_t*>(&p);
-  }
-  if (Vec && c0 + 32 <= n) {
-#pragma unroll
-    for (int v = 0; v < 4; ++v)
-      reinterpret_cast<uint4*>(out + c0)[v] = make_uint4(raw[4 * v], raw[4 * v + 1], raw[4 * v + 2], raw[4 * v + 3]);
-  } else {
-    for (int m = 0; m < 32 && c0 + m < n; ++m)
-      out[c0 + m] = __ushort_as_bfloat16(uint16_t(m & 1 ? raw[m >> 1] >> 16 : raw[m >> 1] & 0xFFFFu));
-  }
-  store_x_item(raw, 0, a >> 3, a & 7, xq, quantized_x_block(1));
-}
-
 template <bool Vec>
 __global__ void swiglu_kernel(const float* gate, const float* up, const float* tg, const float* tu, int stride, int n,
                               __nv_bfloat16* out) {
@@ -1007,20 +934,21 @@ void embed_rows(const RowDesc* rows, int n_rows, int hidden, float* x, cudaStrea
 
 void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row_map, int n_out, int hidden,
                  int norm_offset, int bias_offset, float eps, __nv_bfloat16* out, cudaStream_t stream,
-                 const float* terms, uint8_t* xq) {
+                 const float* terms) {
   if (terms && !add) fail("cuda::add_rmsnorm: delta terms without the addend they belong to");
-  if (xq && n_out != 1) fail("cuda::add_rmsnorm: quantized x for ", n_out, " rows (one only)");
   if (n_out == 0) return;
-  const size_t smem = xq ? size_t(hidden + 255) / 256 * 256 * sizeof(__nv_bfloat16) : 0;  // the staged row
   // 8 elements per thread up to 8192 (1024 threads), then 16 (up to kMaxHidden). (The form with 32
   // per thread, up to 32768, took 88 registers, more than the 64 that a thread of 1024 may have: any
   // hidden over 8192 failed to launch. No test had one; tests/gpu now does.)
   const int threads = std::max(64, std::min(1024, (hidden + 8 * 32 - 1) / (8 * 32) * 32));
-  if (hidden > kMaxHidden) fail("cuda::add_rmsnorm: hidden ", hidden, " (at most ", kMaxHidden, ")");
-  const auto kernel = hidden <= 8 * threads ? (xq ? add_rmsnorm_kernel<8, true> : add_rmsnorm_kernel<8, false>)
-                                            : (xq ? add_rmsnorm_kernel<16, true> : add_rmsnorm_kernel<16, false>);
-  launch_chained(kernel, dim3(unsigned(n_out)), dim3(unsigned(threads)), smem, stream, x, add, terms, rows, row_map,
-                 hidden, norm_offset, bias_offset, eps, out, xq);
+  if (hidden <= 8 * threads)
+    launch_chained(add_rmsnorm_kernel<8>, dim3(unsigned(n_out)), dim3(unsigned(threads)), 0, stream, x, add, terms, rows,
+                   row_map, hidden, norm_offset, bias_offset, eps, out);
+  else if (hidden <= kMaxHidden)
+    launch_chained(add_rmsnorm_kernel<16>, dim3(unsigned(n_out)), dim3(1024), 0, stream, x, add, terms, rows, row_map,
+                   hidden, norm_offset, bias_offset, eps, out);
+  else
+    fail("cuda::add_rmsnorm: hidden ", hidden, " (at most ", kMaxHidden, ")");
   BITDELTA_CUDA_CHECK_LAUNCH();
 }
 
@@ -1230,23 +1158,11 @@ void add_to(float* y, const float* d, size_t n, cudaStream_t stream) {
 }
 
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,
-            cudaStream_t stream, const float* terms, uint8_t* xq) {
-  if (xq && n_rows != 1) fail("cuda::swiglu: quantized x for ", n_rows, " rows (one only)");
+            cudaStream_t stream, const float* terms) {
   if (n == 0 || n_rows == 0) return;
   const float* tg = terms;
   const float* tu = terms ? terms + (up - gate) : nullptr;
   const auto aligned = [](const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; };
-  if (xq) {  // a thread per 32 columns, 128 a block
-    const bool vec16 = n % 4 == 0 && aligned(gate, 16) && aligned(up, 16) && aligned(out, 16) &&
-                       (!terms || (aligned(tg, 16) && aligned(tu, 16)));
-    const dim3 grid{unsigned(((n + 255) / 256 * 8 + 127) / 128)};
-    if (vec16)
-      launch_chained(swiglu_quantize_kernel<true>, grid, dim3(128), 0, stream, gate, up, tg, tu, n, out, xq);
-    else
-      launch_chained(swiglu_quantize_kernel<false>, grid, dim3(128), 0, stream, gate, up, tg, tu, n, out, xq);
-    BITDELTA_CUDA_CHECK_LAUNCH();
-    return;
-  }
   const bool vec = n % 4 == 0 && stride % 4 == 0 && aligned(gate, 16) && aligned(up, 16) && aligned(out, 8) &&
                    (!terms || (aligned(tg, 16) && aligned(tu, 16)));
   const int per_thread = vec ? 4 : 1;

@@ -46,13 +46,10 @@ void embed_rows(const RowDesc* rows, int n_rows, int hidden, float* x, cudaStrea
 // terms (here and in bias_rope_store and swiglu): null, or the delta terms of the linear that wrote
 // the input (device_model.cu linear(), computed apart from its base), laid out as that output is;
 // the kernel adds them to what it reads first, the same floats as add_to before it would give.
-// xq (n_out = 1 only): null, or where out's row also goes quantized for the delta term
-// (quantize_x's layout and bytes, fused_linear_decode.cuh; DecodeOptions::xq of the linear that
-// reads out), so that the one-row linear after it does not quantize it in each of its blocks.
 constexpr int kMaxHidden = 16384;
 void add_rmsnorm(float* x, const float* add, const RowDesc* rows, const int* row_map, int n_out, int hidden,
                  int norm_offset, int bias_offset, float eps, __nv_bfloat16* out, cudaStream_t stream,
-                 const float* terms = nullptr, uint8_t* xq = nullptr);
+                 const float* terms = nullptr);
 
 // Adds layer `layer`'s q/k/v biases (if the row has any), rotates q and k at the row's position
 // ("rotate half" pairs, angle = float(position)·inv_freq[i], cos/sin in double as the CPU does), and
@@ -107,8 +104,8 @@ void add_to(float* y, const float* d, size_t n, cudaStream_t stream);
 
 // out[r][i] = bf16(silu(gate[r·stride + i]) ⊙ up[r·stride + i]) for i < n; out is [rows, n].
 // terms: as add_rmsnorm's, gate's at terms, up's as far from them as up is from gate (with terms,
-// gate and up are views of one buffer). xq: as add_rmsnorm's (n_rows = 1 only).
+// gate and up are views of one buffer).
 void swiglu(const float* gate, const float* up, int stride, int n_rows, int n, __nv_bfloat16* out,
-            cudaStream_t stream, const float* terms = nullptr, uint8_t* xq = nullptr);
+            cudaStream_t stream, const float* terms = nullptr);
 
 }  // namespace bitdelta::cuda
