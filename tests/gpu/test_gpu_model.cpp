@@ -144,36 +144,15 @@ TEST_F(GpuModel, FixturesOfEveryModelOfTheDemoFamily) {
   EXPECT_GT(compared_greedy, greedy_total / 5);  // 633 of 2288 steps precede the first margin < 0.25
 }
 
-// One device step with rows of four variants at different lengths — 20 decode rows, chunks of 11-12
-// rows of three variants (with their decode rows 48 rows of variants with fewer than a GEMM's rows:
-// more than one fused launch's 32, so the base of them goes through one GEMM and their delta terms
-// through two launches), a 70-row prefill of one variant (a GEMM on W_eff) and a base prefill
-// (cuBLAS) — gives each sequence the logits the CPU computes for it alone (so do the prompts before
-// it, alone, through the caches they leave).
-TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
-  Model gpu(kDemo / "base", on_cuda());
-  Model cpu(kDemo / "base", 4);
-  std::vector<std::string> names = {"coder", "math", "writer", "legal"};
-  for (const auto& n : names) {
-    gpu.add_variant(n, delta(n, AlphaMode::Row));
-    cpu.add_variant(n, delta(n, AlphaMode::Row));
-  }
-  struct Plan {
-    int variant;
-    size_t prompt, step;  // prompt tokens fed before; tokens fed in the mixed step
-  };
-  std::vector<Plan> plans;
-  for (int i = 0; i < 20; ++i) plans.push_back({i % 5, size_t(3 + i), 1});  // decode rows
-  // Chunks of prompts, 16 rows of each of these variants with their decode rows (and below): under
-  // a GEMM's 17 rows.
-  plans.push_back({1, 6, 12});
-  plans.push_back({3, 7, 12});
-  plans.push_back({4, 8, 11});
-  plans.push_back({2, 0, 70});  // prefill of a variant (a run of 64 or more rows: attention on GEMMs)
-  plans.push_back({0, 5, 35});                                               // prefill of the base
-  // A decode row after a 28-row prompt of one variant alone: W_eff formed (the streaming or the
-  // register kernel), or where the sm_90a kernels do not run the portable GEMM (from 25 rows).
-  plans.push_back({4, 28, 1});
+// One mixed step on the device of every plan's rows (each sequence fed its prompt before, alone),
+// each sequence's logits against the CPU's of that sequence alone; and that the bound would catch a
+// missing delta: the CPU's logits of each variant's row with the base's weights instead pass it at
+// some logit.
+struct MixedPlan {
+  int variant;
+  size_t prompt, step;  // prompt tokens fed before; tokens fed in the mixed step
+};
+void check_mixed_step(Model& gpu, Model& cpu, const std::vector<MixedPlan>& plans) {
   auto token = [](size_t seq, size_t pos) { return int32_t(5 + (seq * 131 + pos * 17) % 4000); };
   std::vector<Sequence> gs, cs;
   for (size_t s = 0; s < plans.size(); ++s) {
@@ -197,8 +176,6 @@ TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
   const auto got = gpu.forward(mixed);
   const size_t V = gpu.config().vocab_size;
   ASSERT_EQ(got.size(), plans.size() * V);
-  // That the bound would catch a missing delta: the CPU's logits of each variant's row with the
-  // base's weights instead pass it at some logit.
   double worst = 0, nearest_without_delta = 1e30;
   for (size_t s = 0; s < plans.size(); ++s) {
     std::vector<ForwardRow> alone;
@@ -225,6 +202,54 @@ TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
   std::printf("  mixed step of %zu rows: worst |gpu - cpu| logit %.2e; a variant's row without its delta at least "
               "%.1f bounds away\n",
               mixed.size(), worst, nearest_without_delta);
+}
+
+// One device step with rows of four variants at different lengths — 20 decode rows, chunks of 11-12
+// rows of three variants (with their decode rows 48 rows of variants with fewer than a GEMM's rows:
+// more than one fused launch's 32, so the base of them goes through one GEMM and their delta terms
+// through two launches), a 70-row prefill of one variant (a GEMM on W_eff) and a base prefill
+// (cuBLAS) — gives each sequence the logits the CPU computes for it alone (so do the prompts before
+// it, alone, through the caches they leave).
+TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
+  Model gpu(kDemo / "base", on_cuda());
+  Model cpu(kDemo / "base", 4);
+  for (const char* n : {"coder", "math", "writer", "legal"}) {
+    gpu.add_variant(n, delta(n, AlphaMode::Row));
+    cpu.add_variant(n, delta(n, AlphaMode::Row));
+  }
+  std::vector<MixedPlan> plans;
+  for (int i = 0; i < 20; ++i) plans.push_back({i % 5, size_t(3 + i), 1});  // decode rows
+  // Chunks of prompts, 16 rows of each of these variants with their decode rows (and below): under
+  // a GEMM's 17 rows.
+  plans.push_back({1, 6, 12});
+  plans.push_back({3, 7, 12});
+  plans.push_back({4, 8, 11});
+  plans.push_back({2, 0, 70});  // prefill of a variant (a run of 64 or more rows: attention on GEMMs)
+  plans.push_back({0, 5, 35});                                               // prefill of the base
+  // A decode row after a 28-row prompt of one variant alone: W_eff formed (the streaming or the
+  // register kernel), or where the sm_90a kernels do not run the portable GEMM (from 25 rows).
+  plans.push_back({4, 28, 1});
+  check_mixed_step(gpu, cpu, plans);
+}
+
+// Decode steps of 3 to 32 rows of several variants, which take the base (cuBLAS) beside the delta
+// terms (a second stream) for all their rows; the consumers of each linear add its terms as they
+// read it. With the base's rows among them and without, α per row and per tensor.
+TEST_F(GpuModel, MixedDecodeStepsOfFewRowsMatchTheCpu) {
+  for (AlphaMode mode : {AlphaMode::Row, AlphaMode::Tensor}) {
+    Model gpu(kDemo / "base", on_cuda());
+    Model cpu(kDemo / "base", 4);
+    for (const char* n : {"coder", "math", "writer", "legal"}) {
+      gpu.add_variant(n, delta(n, mode));
+      cpu.add_variant(n, delta(n, mode));
+    }
+    for (const int rows : {3, 5, 16, 32}) {
+      SCOPED_TRACE(testing::Message() << rows << " rows, alpha " << alpha_mode_name(mode));
+      std::vector<MixedPlan> plans;
+      for (int i = 0; i < rows; ++i) plans.push_back({rows == 3 ? 1 + i : i % 5, size_t(2 + i % 7), 1});
+      check_mixed_step(gpu, cpu, plans);
+    }
+  }
 }
 
 // Decode steps replayed as CUDA graphs (a batch that stays is captured on its second step) give the
