@@ -660,17 +660,19 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
              "x roofline"});
       }
       // The route with x quantized before, and with the streaming kernel as its base too (a launch
-      // that starts early, unlike cuBLAS's; run 348: 20.21 µs with the terms at 4096² against
-      // cuBLAS's 20.54), against the route as committed, alternated twice ("AB route" rows: the
-      // names runs 351 on compare); and its terms alone with x quantized before.
+      // that starts early, unlike cuBLAS's), against the engine's route, alternated twice; and its
+      // terms alone with x quantized before. (At 4096² these forms meet (b), 1.24× against the
+      // route's 1.30 in run 352, but in the 7B mixed steps the norms and SwiGLU writing x quantized
+      // made the step slower, 8.78 → 9.40 ms at batch 16, and the streaming base was level: the
+      // engine takes neither. Runs 351-352 name these rows "AB route, ...".)
       for (int round = 0; round < 2; ++round)
         for (int parts : {int(kBoth), kBoth | kXqBefore, kBoth | kXqBefore | kStreamBase}) {
           if ((parts & kStreamBase) && !stream_runs) continue;
           const double ts = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, parts); }, reps) / 20;
           add({shape, "b: 16 rows 16 variants",
-               parts == kBoth                ? "AB route, folded, graph of 20"
-               : (parts & kStreamBase) == 0 ? "AB route, folded, graph of 20, x quantized before"
-                                             : "AB route, folded, graph of 20, x quantized before, stream base",
+               parts == kBoth                ? "route, folded, graph of 20"
+               : (parts & kStreamBase) == 0 ? "route, folded, graph of 20, x quantized before"
+                                             : "route, folded, graph of 20, x quantized before, stream base",
                ts, bytes, roof, "x roofline"});
         }
       {
