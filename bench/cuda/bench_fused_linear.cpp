@@ -347,8 +347,8 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // kStreamBase: the streaming kernel with no delta takes the base instead of cuBLAS (alone at 4096²,
   // 16 rows: 15.5 against 18.5 µs, run 346; beside the terms it gained only at 4096², run 348).
   // kXqBefore: x's 16 rows quantized once before (pairs form), the terms' quantizing launch left out:
-  // the route as the producing kernels quantizing x for it would run it (the pending patch of part
-  // 48 in the engine).
+  // the route as it would run if the kernels producing x quantized it (tried in the engine and
+  // dropped, run 352: below).
   enum Parts { kBoth = 3, kBaseAlone = 1, kTermsAlone = 2, kStreamBase = 4, kXqBefore = 8 };
   DeviceMem xq16(bcuda::quantized_x_bytes(kVariants, K));
   bcuda::quantize_x(X, kVariants, K, static_cast<uint8_t*>(xq16.ptr), nullptr, true);
