@@ -634,10 +634,25 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     const int k = kb * kDBlock + kU * kKBlock + 64 * t;
     if (t < kRest && k < K) prefetch_l2(wA + k), prefetch_l2(wB + k);
   }
+  // Once x's loads are issued after the wait: the warp's second unit (position q + 1) sent to L2, its
+  // rows of W and its sign block, where the block's range has more than one round of units. Runs
+  // 356-357 (H100, chains of 20): 1.0-2.5 µs less at 11008×4096, 4096×11008 and 8192² (3-5%), 1.6-1.9
+  // at 28672×8192 (1%); at 4096², one round, it cost 1.4 µs with a delta and 1.9 without: not there.
+  const auto prefetch_next = [&]() {
+    if (L <= kWarps * c || q + 1 >= L) return;
+    const int u = unit_at(q + 1), T2 = u / KB, kb2 = u - T2 * KB, k = kb2 * kDBlock + 64 * t;
+    if (k < K) {
+      prefetch_l2(p.w + size_t(min(T2 * 16 + gid, N - 1)) * K + k);
+      prefetch_l2(p.w + size_t(min(T2 * 16 + gid + 8, N - 1)) * K + k);
+    }
+    if (kDelta && lane < 4) prefetch_l2(p.signs + (size_t(T2) * KB + kb2) * 32 + 8 * lane);
+  };
   pdl_wait();
   if (kQuantize) {  // x quantized into shared memory by the whole block
-    quantize_row_shared(p.x, K, p.aligned, xs);
+    quantize_row_shared(p.x, K, p.aligned, xs, prefetch_next);
     __syncthreads();
+  } else {
+    prefetch_next();
   }
   // kXq: row 0's bit-plane fragments and (scale, Σq) of each 256-column block (quantized_x_block).
   const uint4* const xplanes = kXq ? reinterpret_cast<const uint4*>(p.xq + kQuantizedPlanes) : nullptr;
