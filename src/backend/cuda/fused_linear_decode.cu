@@ -636,7 +636,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   }
   // Once x's loads are issued after the wait: the warp's second unit (position q + 1) sent to L2, its
   // rows of W and its sign block, where the block's range has more than one round of units. Runs
-  // 356-357 (H100, chains of 20): 1.0-2.5 µs less at 11008×4096, 4096×11008 and 8192² (3-5%), 1.6-1.9
+  // 356-358 (H100, chains of 20): 0.8-2.5 µs less at 11008×4096, 4096×11008 and 8192² (3-5%), 1.4-1.9
   // at 28672×8192 (1%); at 4096², one round, it cost 1.4 µs with a delta and 1.9 without: not there.
   const auto prefetch_next = [&]() {
     if (L <= kWarps * c || q + 1 >= L) return;
