@@ -564,6 +564,11 @@ struct RowParams {
   unsigned long long* meet;
 };
 
+// The stage (see the kernel): per warp, 8 × 16 bytes per lane.
+constexpr int kStageBytes = kWarps * 8 * 32 * 16;
+__device__ __forceinline__ void stage_copy(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
 // kXq (with kDelta): x quantized before the launch (RowParams::xq), not in the block.
 template <bool kDelta, bool kXq>
 __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowParams p) {
@@ -571,12 +576,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   pdl_launch_dependents();  // launch.cuh: the next kernel may start; this one waits below
   constexpr int kU = 2;     // 64-column steps of W per load batch, as the register kernel
   constexpr bool kQuantize = kDelta && !kXq;  // x quantized by the block itself
-  // Shared memory: x quantized (KB blocks of kRowPlaneBytes), where the block does it; then the
-  // warps' sums, [tile of the range][warp][16 rows].
+  // Shared memory: the warps' stage (kStageBytes, below); x quantized (KB blocks of
+  // kRowPlaneBytes), where the block does it; then the warps' sums, [tile of the range][warp][16 rows].
   extern __shared__ uint4 smem_row[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane >> 2, t = lane & 3;
   const int KB = p.KB, K = p.K, N = p.N;
-  uint8_t* const xs = reinterpret_cast<uint8_t*>(smem_row);
+  uint8_t* const xs = reinterpret_cast<uint8_t*>(smem_row) + kStageBytes;
   float* const ysum = reinterpret_cast<float*>(xs + (kQuantize ? KB * kRowPlaneBytes : 0));
   const int per = p.whole ? KB : 1, items = p.units / per;  // ranges of whole tiles, or of units
   const int u0 = int(int64_t(items) * blockIdx.x / p.blocks) * per;
@@ -618,21 +623,39 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     }
   };
   // Before the wait (weights and deltas only: launch.cuh): the first tile's rows, sign blocks and α,
-  // and the warp's first load batch of W into registers (we, wf), the rest of that unit to L2. (Run
-  // 351, chains of 20 at 4096²: 10.9 µs against 11.9 with only the first unit to L2, sent after the
-  // block's loads of x to quantize it; NOTES.md, part 15, for why not before those loads then.)
+  // the warp's first load batch of W into registers (we, wf) and its second by cp.async into the
+  // lane's 8 slots of the warp's stage in shared memory (no registers held while they fly; to L2
+  // where the unit is a partial block or the rows unaligned). (Run 351, chains of 20 at 4096²: 10.9
+  // µs against 11.9 with only the first unit to L2, sent after the block's loads of x to quantize it;
+  // NOTES.md, part 15, for why not before those loads then. Run 359, H100: the stage, against the
+  // second batch to L2, made the 7B batch-1 step 1.4% faster, 5.71-5.77 ms against 5.81-5.83, though
+  // chains of 20 of this kernel alone were 0.4-0.6 µs slower at 4096², where each launch's blocks
+  // wait for the one before to leave; in the model the launch before is a norm or attention.)
   int cur = -1, T = 0, kb = 0;
   uint4 we[kU][2], wf[kU][2];
-  bool have_w = false;
+  bool have_w = false, staged = false;
+  const uint32_t stage = uint32_t(__cvta_generic_to_shared(smem_row)) + uint32_t(warp * 8 * 32 + lane) * 16;
   if (q < L) {
     const int u = unit_at(q);
     T = u / KB, kb = u - T * KB;
     start_tile(cur = T);
     load_w<kU>(wA, wB, kb * kDBlock, K, ci, aligned, we, wf);
     have_w = true;
-    constexpr int kRest = (kDBlock - kU * kKBlock) / 64;  // 128-byte lines of a row left in the unit
-    const int k = kb * kDBlock + kU * kKBlock + 64 * t;
-    if (t < kRest && k < K) prefetch_l2(wA + k), prefetch_l2(wB + k);
+    static_assert(kDBlock == 2 * kU * kKBlock);
+    if (aligned && (kb + 1) * kDBlock <= K) {
+#pragma unroll
+      for (int u2 = 0; u2 < kU; ++u2) {
+        const int k = kb * kDBlock + (kU + u2) * kKBlock + 8 * ci;
+        stage_copy(stage + (4 * u2 + 0) * 512, wA + k), stage_copy(stage + (4 * u2 + 1) * 512, wA + k + 16);
+        stage_copy(stage + (4 * u2 + 2) * 512, wB + k), stage_copy(stage + (4 * u2 + 3) * 512, wB + k + 16);
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      staged = true;
+    } else {
+      constexpr int kRest = (kDBlock - kU * kKBlock) / 64;  // 128-byte lines of a row left in the unit
+      const int k = kb * kDBlock + kU * kKBlock + 64 * t;
+      if (t < kRest && k < K) prefetch_l2(wA + k), prefetch_l2(wB + k);
+    }
   }
   // Once x's loads are issued after the wait: the warp's second unit (position q + 1) sent to L2, its
   // rows of W and its sign block, where the block's range has more than one round of units. Runs
@@ -739,7 +762,19 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     mma_base<1, kU>(k0, K, we, wf, xe, xf, acc);
 #pragma unroll 1
     for (int h = 1; h < kDBlock / kKBlock / kU; ++h) {
-      load_base<1, kU>(wA, wB, xrow, k0 + kU * h * kKBlock, K, ci, aligned, we, wf, xe, xf);
+      if (staged) {  // the batch from this lane's slots of the stage
+        staged = false;
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        const uint4* sl = smem_row + warp * 8 * 32 + lane;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          we[u][0] = sl[(4 * u + 0) * 32], wf[u][0] = sl[(4 * u + 1) * 32];
+          we[u][1] = sl[(4 * u + 2) * 32], wf[u][1] = sl[(4 * u + 3) * 32];
+        }
+        load_x<1, kU>(xrow, k0 + kU * h * kKBlock, K, ci, aligned, xe, xf);
+      } else {
+        load_base<1, kU>(wA, wB, xrow, k0 + kU * h * kKBlock, K, ci, aligned, we, wf, xe, xf);
+      }
       mma_base<1, kU>(k0 + kU * h * kKBlock, K, we, wf, xe, xf, acc);
     }
     if (kDelta) {
@@ -795,7 +830,7 @@ RowPlan plan_row(int N, int K, bool quantize_x) {
   r.whole = int64_t(tpb) * slots * 100 <= int64_t(tiles) * 105;
   r.blocks = r.whole ? (tiles + tpb - 1) / tpb : std::min(slots, tiles);
   const int64_t longest = r.whole ? int64_t(tpb) * KB : (r.units + r.blocks - 1) / r.blocks;
-  r.smem = size_t((longest + 2 * KB - 2) / KB) * kWarps * 16 * sizeof(float) +
+  r.smem = kStageBytes + size_t((longest + 2 * KB - 2) / KB) * kWarps * 16 * sizeof(float) +
            (quantize_x ? size_t(KB) * kRowPlaneBytes : 0);
   r.valid = r.units <= INT32_MAX / 2 && r.smem <= kRowSmemMax;
   return r;

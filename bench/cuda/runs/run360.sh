@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Session 50: the committed code with run 359's stage as the one-row kernel's only form: the GPU tests,
+# the kernel checks and the one-row bench at the five shapes. One call:
+#   run(command="bash bench/cuda/runs/run360.sh", carry=[".device/bundle.tar.xz"])
+set -uo pipefail
+root=$(pwd)
+export PATH=/usr/local/cuda/bin:$PATH
+(cd .device && tar -xJf bundle.tar.xz) || exit 1
+export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64 BITDELTA_SOURCE_DIR=$root
+L=$OUT/run360.log
+t0=$(date +%s)
+stamp() { echo "-- $(( $(date +%s) - t0 )) s: $*"; }
+{
+date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+stamp "gpu tests"
+BITDELTA_CLI_PATH=$root/.device/bin/bitdelta .device/bin/bitdelta_gpu_tests > /tmp/gt.log 2>&1; echo "rc $?"
+grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure" /tmp/gt.log | head -20
+stamp "kernel tests"
+.device/bin/test_cuda_fused_linear > /tmp/kt.log 2>&1; echo "rc $?"
+grep -E "^FAIL" /tmp/kt.log | head -20; tail -1 /tmp/kt.log
+stamp "one-row bench"
+.device/bin/bench_cuda_fused_linear --one-row 4096 4096 11008 4096 4096 11008 8192 8192 28672 8192 > $OUT/bench_a.log 2>&1
+grep -E "balanced, chain of 20 |balanced, chain of 20, no delta" $OUT/bench_a.log | awk '{print $1, $(NF-6)}' | tr '\n' ' '; echo
+stamp done
+} > $L 2>&1
+cat $L
