@@ -5,7 +5,8 @@
 //   (b) 16 rows from 16 distinct variants vs the byte roofline (2NK + 16·NK/8 bytes ÷ copy
 //   bandwidth) (c) 512 rows, 1 variant: prefill methods vs cuBLAS base-only GEMM
 // Modes: (none) all cases at the five shapes; --prefill [N K ...] case (c) only, at those shapes or
-// the five; --one-row [N K ...] case (a) only (alone, alternating, in chains of 20); --many-variants
+// the five; --one-row [N K ...] case (a) only (alone, alternating, in chains of 20, and after a norm
+// as in a step: chains of 20 norm + linear pairs less the norms alone); --many-variants
 // [N K ...] cases (b), d and e only (rows of several variants); --few-rows
 // [N K ...] case c' (8–48 rows of one variant) only; --prefill-rows R [N K ...] case (c) with R rows
 // instead of 512 (not c'); --quick the first shape; --profile [N K],
@@ -489,6 +490,43 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
             20);
         add({shape, "a: 1 row base", "balanced, chain of 20, no delta", tn20, double(wbytes) + N * 4.0, t_cublas,
              "x cuBLAS"});
+      }
+      if (K <= bcuda::kMaxHidden) {  // The step's form: each linear after the one-row norm that writes
+        // its x (add_rmsnorm, launched chained as in the model), so that what the linear issues before
+        // its wait overlaps a light launch rather than the blocks of a linear before it (NOTES.md, part
+        // 50). Chains of 20 (norm, linear) pairs, less a chain of 20 norms alone: the linear's share.
+        DeviceMem xf(size_t(K) * 4), gamma(size_t(K) * 4), xn(size_t(K) * 2), desc(sizeof(bcuda::RowDesc));
+        std::vector<float> ones(static_cast<size_t>(K), 1.0f), xv(static_cast<size_t>(K));
+        std::mt19937 g(7);
+        std::normal_distribution<float> nd;
+        for (auto& v : xv) v = nd(g);
+        BITDELTA_CUDA_CHECK(cudaMemcpy(xf.ptr, xv.data(), xv.size() * 4, cudaMemcpyHostToDevice));
+        BITDELTA_CUDA_CHECK(cudaMemcpy(gamma.ptr, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+        bcuda::RowDesc rd{};
+        rd.norms = static_cast<const float*>(gamma.ptr);
+        BITDELTA_CUDA_CHECK(cudaMemcpy(desc.ptr, &rd, sizeof rd, cudaMemcpyHostToDevice));
+        auto* xo = static_cast<bf16*>(xn.ptr);
+        const auto norm = [&](int) {
+          bcuda::add_rmsnorm(static_cast<float*>(xf.ptr), nullptr, static_cast<const bcuda::RowDesc*>(desc.ptr),
+                             nullptr, 1, K, 0, -1, 1e-5f, xo, nullptr);
+        };
+        const double tnorm = time_chain_us(norm, 20);
+        add({shape, "a: norm", "add_rmsnorm alone (1 row), chain of 20", tnorm, K * 6.0, 0, ""});
+        for (const bool with_delta : {true, false}) {
+          const double tp = time_chain_us(
+              [&](int s) {
+                norm(s);
+                const DeltaRef d = with_delta ? delta(s, 0) : DeltaRef{};
+                bcuda::fused_linear_decode(W(s), N, K, xo, 1, {&d, 1}, Y, nullptr, {0, 0, kBalanced});
+              },
+              20);
+          if (with_delta)
+            add({shape, "a: 1 row 1 variant", "balanced, after a norm, chain of 20 pairs less the norms", tp - tnorm,
+                 bytes, t_cublas, "x cuBLAS"});
+          else
+            add({shape, "a: 1 row base", "balanced, after a norm, chain of 20 pairs less the norms, no delta",
+                 tp - tnorm, double(wbytes) + N * 4.0, t_cublas, "x cuBLAS"});
+        }
       }
       const double tcb = time_chain_us([&](int s) { cublas_rows(1, s); }, 20);
       add({shape, "a: 1 row base", "cuBLAS, chain of 20 calls", tcb, double(wbytes), t_cublas, "x cuBLAS"});

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 50: the committed code with run 359's stage as the one-row kernel's only form: the GPU tests,
-# the kernel checks and the one-row bench at the five shapes. One call:
+# the kernel checks and the one-row bench at the five shapes (with the new rows "after a norm", the
+# step's form for (a): NOTES.md part 50). One call:
 #   run(command="bash bench/cuda/runs/run360.sh", carry=[".device/bundle.tar.xz"])
 set -uo pipefail
 root=$(pwd)
@@ -20,7 +21,7 @@ stamp "kernel tests"
 grep -E "^FAIL" /tmp/kt.log | head -20; tail -1 /tmp/kt.log
 stamp "one-row bench"
 .device/bin/bench_cuda_fused_linear --one-row 4096 4096 11008 4096 4096 11008 8192 8192 28672 8192 > $OUT/bench_a.log 2>&1
-grep -E "balanced, chain of 20 |balanced, chain of 20, no delta" $OUT/bench_a.log | awk '{print $1, $(NF-6)}' | tr '\n' ' '; echo
+grep -E "GemmEx|balanced, chain of 20 |balanced, chain of 20, no delta|after a norm|add_rmsnorm alone" $OUT/bench_a.log
 stamp done
 } > $L 2>&1
 cat $L
