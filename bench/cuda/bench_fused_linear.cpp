@@ -301,6 +301,33 @@ class WeightSets {
   std::vector<std::unique_ptr<DeviceMem>> w_, signs_, alpha_;
 };
 
+// The input of a linear as the step makes it: up to 32 rows written by the one-row norm before the
+// linear (add_rmsnorm, launched chained as in the model), so that a bench can time a linear after a
+// light launch rather than after another linear (NOTES.md, part 50). Norm weights 1, x normal(0, 1).
+struct NormedX {
+  static constexpr int kRows = 32;
+  int K;
+  DeviceMem xf, gamma, xn, desc;
+  explicit NormedX(int k)
+      : K(k), xf(size_t(kRows) * k * 4), gamma(size_t(k) * 4), xn(size_t(kRows) * k * 2),
+        desc(sizeof(bcuda::RowDesc) * kRows) {
+    std::vector<float> ones(static_cast<size_t>(k), 1.0f), xv(static_cast<size_t>(kRows) * k);
+    std::mt19937 g(7);
+    std::normal_distribution<float> nd;
+    for (auto& v : xv) v = nd(g);
+    BITDELTA_CUDA_CHECK(cudaMemcpy(xf.ptr, xv.data(), xv.size() * 4, cudaMemcpyHostToDevice));
+    BITDELTA_CUDA_CHECK(cudaMemcpy(gamma.ptr, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<bcuda::RowDesc> rd(kRows);
+    for (auto& r : rd) r.norms = static_cast<const float*>(gamma.ptr);
+    BITDELTA_CUDA_CHECK(cudaMemcpy(desc.ptr, rd.data(), rd.size() * sizeof(bcuda::RowDesc), cudaMemcpyHostToDevice));
+  }
+  const bf16* x() const { return static_cast<const bf16*>(xn.ptr); }
+  void norm(int rows, cudaStream_t st) const {
+    bcuda::add_rmsnorm(static_cast<float*>(xf.ptr), nullptr, static_cast<const bcuda::RowDesc*>(desc.ptr), nullptr,
+                       rows, K, 0, -1, 1e-5f, static_cast<bf16*>(xn.ptr), st);
+  }
+};
+
 // cuBLAS on the base alone: y[rows, N] f32 = x[rows, K] · Wᵀ.
 void cublas_base(bcuda::PrefillLinear& prefill, const bf16* w, int N, int K, const bf16* x, int rows, float* y) {
   const float one = 1.0f, zero = 0.0f;
@@ -325,6 +352,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   const auto* X = static_cast<const bf16*>(x.ptr);
   float* Y = static_cast<float*>(y.ptr);
   const bool stream_runs = bcuda::stream_kernel_supports(W(0), K, X);
+  const std::unique_ptr<NormedX> normed = K <= bcuda::kMaxHidden ? std::make_unique<NormedX>(K) : nullptr;
   const std::string shape = std::to_string(N) + "x" + std::to_string(K);
   const int reps = profile_only ? 1 : wbytes > (200u << 20) ? 30 : 100;
   auto cublas_rows = [&](int rows, int s) { cublas_base(prefill, W(s), N, K, X, rows, Y); };
@@ -350,21 +378,29 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // kXqBefore: x's 16 rows quantized once before (pairs form), the terms' quantizing launch left out:
   // the route as it would run if the kernels producing x quantized it (tried in the engine and
   // dropped, run 352: below).
-  enum Parts { kBoth = 3, kBaseAlone = 1, kTermsAlone = 2, kStreamBase = 4, kXqBefore = 8 };
+  // kAfterNorm: the norm that writes the rows' x first (NormedX), the route reading that x; alone, the
+  // norm only (no fork or join).
+  enum Parts { kBoth = 3, kBaseAlone = 1, kTermsAlone = 2, kStreamBase = 4, kXqBefore = 8, kAfterNorm = 16 };
   DeviceMem xq16(bcuda::quantized_x_bytes(kVariants, K));
   bcuda::quantize_x(X, kVariants, K, static_cast<uint8_t*>(xq16.ptr), nullptr, true);
   const auto route = [&](int s, std::span<const DeltaRef> d, bool add, cudaStream_t st, int parts) {
     const int rows = int(d.size());
+    const bf16* xin = X;
+    if (parts & kAfterNorm) {
+      normed->norm(rows, st);
+      xin = normed->x();
+      if ((parts & kBoth) == 0) return;
+    }
     auto* terms = static_cast<float*>(yd.ptr);
     beside.fork(st, terms, size_t(rows) * N);
     if (parts & kTermsAlone)
-      beside.add_terms(W(s), N, K, X, rows, d, terms,
+      beside.add_terms(W(s), N, K, xin, rows, d, terms,
                        (parts & kXqBefore) ? static_cast<const uint8_t*>(xq16.ptr) : nullptr);
     if ((parts & kBaseAlone) && (parts & kStreamBase)) {
       const std::vector<DeltaRef> none(static_cast<size_t>(rows));
-      bcuda::fused_linear_decode(W(s), N, K, X, rows, none, Y, st, {0, 0, kStream});
+      bcuda::fused_linear_decode(W(s), N, K, xin, rows, none, Y, st, {0, 0, kStream});
     } else if (parts & kBaseAlone)
-      prefill.run(bcuda::PrefillMethod::kBaseOnly, W(s), N, K, X, rows, DeltaRef{}, Y);
+      prefill.run(bcuda::PrefillMethod::kBaseOnly, W(s), N, K, xin, rows, DeltaRef{}, Y);
     beside.join(st);
     if (add) bcuda::add_to(Y, terms, size_t(rows) * N, st);
   };
@@ -491,33 +527,18 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
         add({shape, "a: 1 row base", "balanced, chain of 20, no delta", tn20, double(wbytes) + N * 4.0, t_cublas,
              "x cuBLAS"});
       }
-      if (K <= bcuda::kMaxHidden) {  // The step's form: each linear after the one-row norm that writes
-        // its x (add_rmsnorm, launched chained as in the model), so that what the linear issues before
-        // its wait overlaps a light launch rather than the blocks of a linear before it (NOTES.md, part
-        // 50). Chains of 20 (norm, linear) pairs, less a chain of 20 norms alone: the linear's share.
-        DeviceMem xf(size_t(K) * 4), gamma(size_t(K) * 4), xn(size_t(K) * 2), desc(sizeof(bcuda::RowDesc));
-        std::vector<float> ones(static_cast<size_t>(K), 1.0f), xv(static_cast<size_t>(K));
-        std::mt19937 g(7);
-        std::normal_distribution<float> nd;
-        for (auto& v : xv) v = nd(g);
-        BITDELTA_CUDA_CHECK(cudaMemcpy(xf.ptr, xv.data(), xv.size() * 4, cudaMemcpyHostToDevice));
-        BITDELTA_CUDA_CHECK(cudaMemcpy(gamma.ptr, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
-        bcuda::RowDesc rd{};
-        rd.norms = static_cast<const float*>(gamma.ptr);
-        BITDELTA_CUDA_CHECK(cudaMemcpy(desc.ptr, &rd, sizeof rd, cudaMemcpyHostToDevice));
-        auto* xo = static_cast<bf16*>(xn.ptr);
-        const auto norm = [&](int) {
-          bcuda::add_rmsnorm(static_cast<float*>(xf.ptr), nullptr, static_cast<const bcuda::RowDesc*>(desc.ptr),
-                             nullptr, 1, K, 0, -1, 1e-5f, xo, nullptr);
-        };
-        const double tnorm = time_chain_us(norm, 20);
+      if (normed) {  // The step's form: each linear after the one-row norm that writes its x (NormedX), so
+        // that what the linear issues before its wait overlaps a light launch rather than the blocks of
+        // a linear before it (NOTES.md, part 50). Chains of 20 (norm, linear) pairs, less a chain of 20
+        // norms alone: the linear's share.
+        const double tnorm = time_chain_us([&](int) { normed->norm(1, nullptr); }, 20);
         add({shape, "a: norm", "add_rmsnorm alone (1 row), chain of 20", tnorm, K * 6.0, 0, ""});
         for (const bool with_delta : {true, false}) {
           const double tp = time_chain_us(
               [&](int s) {
-                norm(s);
+                normed->norm(1, nullptr);
                 const DeltaRef d = with_delta ? delta(s, 0) : DeltaRef{};
-                bcuda::fused_linear_decode(W(s), N, K, xo, 1, {&d, 1}, Y, nullptr, {0, 0, kBalanced});
+                bcuda::fused_linear_decode(W(s), N, K, normed->x(), 1, {&d, 1}, Y, nullptr, {0, 0, kBalanced});
               },
               20);
           if (with_delta)
@@ -718,6 +739,15 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
             time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, kTermsAlone | kXqBefore); }, reps) / 20;
         add({shape, "b: 16 rows 16 variants", "route's terms alone, x quantized before, graph of 20", ts,
              bytes - double(wbytes), roof, "x roofline"});
+      }
+      if (normed) {  // The step's form: each route after the norm that writes its 16 rows of x, graphs of
+                     // 20 (norm, route) pairs less graphs of 20 norms alone.
+        const double tn = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, kAfterNorm); }, reps) / 20;
+        const double tp =
+            time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, kBoth | kAfterNorm); }, reps) / 20;
+        add({shape, "b: norm", "add_rmsnorm alone (16 rows), graph of 20", tn, kVariants * K * 6.0, 0, ""});
+        add({shape, "b: 16 rows 16 variants", "route, after a norm, graph of 20 pairs less the norms", tp - tn, bytes,
+             roof, "x roofline"});
       }
     }
     if (stream_runs) {  // x quantized before the call: the linear alone, and the quantizing launch alone

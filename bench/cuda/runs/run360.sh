@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 50: the committed code with run 359's stage as the one-row kernel's only form: the GPU tests,
-# the kernel checks and the one-row bench at the five shapes (with the new rows "after a norm", the
-# step's form for (a): NOTES.md part 50). One call:
+# the kernel checks, the one-row bench at the five shapes and (b) at two, with the new rows "after a
+# norm" (the step's form for (a) and (b): NOTES.md part 50). One call:
 #   run(command="bash bench/cuda/runs/run360.sh", carry=[".device/bundle.tar.xz"])
 set -uo pipefail
 root=$(pwd)
@@ -22,6 +22,9 @@ grep -E "^FAIL" /tmp/kt.log | head -20; tail -1 /tmp/kt.log
 stamp "one-row bench"
 .device/bin/bench_cuda_fused_linear --one-row 4096 4096 11008 4096 4096 11008 8192 8192 28672 8192 > $OUT/bench_a.log 2>&1
 grep -E "GemmEx|balanced, chain of 20 |balanced, chain of 20, no delta|after a norm|add_rmsnorm alone" $OUT/bench_a.log
+stamp "many-variants bench (b) at 4096² and 11008×4096"
+.device/bin/bench_cuda_fused_linear --many-variants 4096 4096 11008 4096 > $OUT/bench_b.log 2>&1
+grep -E "b: roofline|route, folded, graph of 20 |after a norm|add_rmsnorm alone" $OUT/bench_b.log
 stamp done
 } > $L 2>&1
 cat $L
