@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 50: the committed code with run 359's stage as the one-row kernel's only form: the GPU tests,
 # the kernel checks, the one-row bench at the five shapes and (b) at two, with the new rows "after a
-# norm" (the step's form for (a) and (b): NOTES.md part 50). One call:
+# norm" (the step's form for (a) and (b): NOTES.md part 50), and the 7B batch-1 step. One call:
 #   run(command="bash bench/cuda/runs/run360.sh", carry=[".device/bundle.tar.xz"])
 set -uo pipefail
 root=$(pwd)
@@ -25,6 +25,14 @@ grep -E "GemmEx|balanced, chain of 20 |balanced, chain of 20, no delta|after a n
 stamp "many-variants bench (b) at 4096² and 11008×4096"
 .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 11008 4096 > $OUT/bench_b.log 2>&1
 grep -E "b: roofline|route, folded, graph of 20 |after a norm|add_rmsnorm alone" $OUT/bench_b.log
+stamp "7B model, batch 1"
+.device/bin/make_synthetic /tmp/l7b --layers 32 --hidden 4096 --inter 11008 --vocab 32000 --heads 32 --kv-heads 32 \
+  --tie 0 --shards 3 --finetune 0 --deltas 14 > /tmp/ms.log 2>&1 || tail -5 /tmp/ms.log
+cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json \
+  /tmp/l7b/base/
+for round in 1 2; do
+  echo "round $round: $(.device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --profile-case "batch 1" 2>&1 | grep -E '^batch' | tr '\n' ' ')"
+done
 stamp done
 } > $L 2>&1
 cat $L
