@@ -564,11 +564,10 @@ struct RowParams {
   unsigned long long* meet;
 };
 
-// The stage (see the kernel): per warp, 8 × 16 bytes per lane.
-constexpr int kStageBytes = kWarps * 8 * 32 * 16;
-__device__ __forceinline__ void stage_copy(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
+// The one-row kernel's stage: per lane, 16 bytes of W for each of rows gid and gid + 8, columns
+// 8·ci.. and 8·ci + 16.., of each of the second load batch's kU = 2 steps (see the kernel).
+constexpr int kStageSlots = 8;
+constexpr int kStageBytes = kWarps * kStageSlots * 32 * 16;
 // kXq (with kDelta): x quantized before the launch (RowParams::xq), not in the block.
 template <bool kDelta, bool kXq>
 __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowParams p) {
@@ -634,7 +633,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
   int cur = -1, T = 0, kb = 0;
   uint4 we[kU][2], wf[kU][2];
   bool have_w = false, staged = false;
-  const uint32_t stage = uint32_t(__cvta_generic_to_shared(smem_row)) + uint32_t(warp * 8 * 32 + lane) * 16;
+  static_assert(kStageSlots == 4 * kU);
+  const uint32_t stage = smem_addr(smem_row) + uint32_t(warp * kStageSlots * 32 + lane) * 16;
   if (q < L) {
     const int u = unit_at(q);
     T = u / KB, kb = u - T * KB;
@@ -646,10 +646,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
 #pragma unroll
       for (int u2 = 0; u2 < kU; ++u2) {
         const int k = kb * kDBlock + (kU + u2) * kKBlock + 8 * ci;
-        stage_copy(stage + (4 * u2 + 0) * 512, wA + k), stage_copy(stage + (4 * u2 + 1) * 512, wA + k + 16);
-        stage_copy(stage + (4 * u2 + 2) * 512, wB + k), stage_copy(stage + (4 * u2 + 3) * 512, wB + k + 16);
+        cp_async16(stage + (4 * u2 + 0) * 512, wA + k, true), cp_async16(stage + (4 * u2 + 1) * 512, wA + k + 16, true);
+        cp_async16(stage + (4 * u2 + 2) * 512, wB + k, true), cp_async16(stage + (4 * u2 + 3) * 512, wB + k + 16, true);
       }
-      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      cp_async_commit();
       staged = true;
     } else {
       constexpr int kRest = (kDBlock - kU * kKBlock) / 64;  // 128-byte lines of a row left in the unit
@@ -764,8 +764,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
     for (int h = 1; h < kDBlock / kKBlock / kU; ++h) {
       if (staged) {  // the batch from this lane's slots of the stage
         staged = false;
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-        const uint4* sl = smem_row + warp * 8 * 32 + lane;
+        cp_async_wait<0>();
+        const uint4* sl = smem_row + warp * kStageSlots * 32 + lane;
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           we[u][0] = sl[(4 * u + 0) * 32], wf[u][0] = sl[(4 * u + 1) * 32];
