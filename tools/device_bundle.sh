@@ -20,9 +20,12 @@ targets=(bitdelta bitdelta_gpu_tests bench_gpu_e2e bench_gpu_attention make_synt
 if [ "${BITDELTA_BUNDLE_EXTRA:-0}" = 1 ]; then targets+=(bitdelta_tests bench_linear bench_mma_rates bench_b1_delta); fi
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 # The same engine with one PTX alone (BITDELTA_CUDA_PTX_ONLY=80 and 90), for gpu_run.sh's "portable"
-# stage: on the H200 they run what 8.x GPUs and GPUs after Hopper run.
+# stage: on the H200 they run what 8.x GPUs and GPUs after Hopper run. BITDELTA_BUNDLE_PTX=0 skips
+# them (a run that needs only .device/bin; from a cold ccache the three builds take three times as long).
 ptx_targets=(bitdelta bitdelta_gpu_tests test_cuda_fused_linear bench_gpu_e2e bench_cuda_fused_linear)
-for arch in 80 90; do
+ptx_archs=(80 90)
+[ "${BITDELTA_BUNDLE_PTX:-1}" = 0 ] && ptx_targets=() ptx_archs=()
+for arch in "${ptx_archs[@]}"; do
   ptx_build=${build}-ptx$([ $arch = 80 ] || echo $arch)
   if [ ! -f "$ptx_build/CMakeCache.txt" ]; then
     cmake -S . -B "$ptx_build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBITDELTA_CUDA=ON -DBITDELTA_CUDA_PTX_ONLY=$arch \
@@ -42,8 +45,10 @@ copy_bins() {  # build dir, destination, targets...
   done
 }
 copy_bins "$build" .device/bin "${targets[@]}"
-copy_bins "${build}-ptx" .device/bin-ptx "${ptx_targets[@]}"
-copy_bins "${build}-ptx90" .device/bin-ptx90 "${ptx_targets[@]}"
+if [ ${#ptx_archs[@]} -gt 0 ]; then
+  copy_bins "${build}-ptx" .device/bin-ptx "${ptx_targets[@]}"
+  copy_bins "${build}-ptx90" .device/bin-ptx90 "${ptx_targets[@]}"
+fi
 # Libraries from our Debian -dev packages that Ubuntu's GPU image does not have (OpenBLAS, OpenSSL,
 # zlib and CUDA's own libraries are there).
 for l in libcpp-httplib.so.0.11 libsentencepiece.so.0 libxxhash.so.0 libbrotlicommon.so.1 libbrotlidec.so.1 \
