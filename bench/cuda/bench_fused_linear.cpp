@@ -6,7 +6,7 @@
 //   bandwidth) (c) 512 rows, 1 variant: prefill methods vs cuBLAS base-only GEMM
 // Modes: (none) all cases at the five shapes; --prefill [N K ...] case (c) only, at those shapes or
 // the five; --one-row [N K ...] case (a) only (alone, alternating, in chains of 20, and after a norm
-// as in a step: chains of 20 norm + linear pairs less the norms alone); --many-variants
+// as in a step: chains and CUDA graphs of 20 norm + linear pairs less the norms alone); --many-variants
 // [N K ...] cases (b), d and e only (rows of several variants); --few-rows
 // [N K ...] case c' (8–48 rows of one variant) only; --prefill-rows R [N K ...] case (c) with R rows
 // instead of 512 (not c'); --quick the first shape; --profile [N K],
@@ -548,6 +548,41 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
             add({shape, "a: 1 row base", "balanced, after a norm, chain of 20 pairs less the norms, no delta",
                  tp - tnorm, double(wbytes) + N * 4.0, t_cublas, "x cuBLAS"});
         }
+        // The same launches captured into a CUDA graph and replayed, as the engine's decode step is
+        // (NOTES.md, part 51: neither the chains above nor the chained pairs find the stage of part 49
+        // faster, the 7B step does). what: 1 the norm, 2 the linear, 4 with the delta.
+        const auto graph_of_20 = [&](int s, int what) {
+          cudaGraphExec_t& e = graphs.exec[{W(s), nullptr, 0, false, 20, 100 + what}];
+          const auto issue = [&](cudaStream_t st) {
+            for (int i = 0; i < 20; ++i) {
+              if (what & 1) normed->norm(1, st);
+              if (what & 2) {
+                const DeltaRef d = (what & 4) ? delta(s + i, 0) : DeltaRef{};
+                bcuda::fused_linear_decode(W(s + i), N, K, normed->x(), 1, {&d, 1}, Y, st, {0, 0, kBalanced});
+              }
+            }
+          };
+          if (!e) {  // one uncaptured run first (scratch at its size), as side_by_side does
+            BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+            issue(capture);
+            BITDELTA_CUDA_CHECK(cudaStreamSynchronize(capture));
+            cudaGraph_t g;
+            BITDELTA_CUDA_CHECK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
+            issue(capture);
+            BITDELTA_CUDA_CHECK(cudaStreamEndCapture(capture, &g));
+            BITDELTA_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+            BITDELTA_CUDA_CHECK(cudaGraphDestroy(g));
+          }
+          BITDELTA_CUDA_CHECK(cudaGraphLaunch(e, nullptr));
+        };
+        const auto graph_us = [&](int what) { return time_us([&](int s) { graph_of_20(s * 20, what); }, reps) / 20; };
+        const double gnorm = graph_us(1);
+        add({shape, "a: norm", "add_rmsnorm alone (1 row), graph of 20", gnorm, K * 6.0, 0, ""});
+        add({shape, "a: 1 row 1 variant", "balanced, graph of 20", graph_us(2 | 4), bytes, t_cublas, "x cuBLAS"});
+        add({shape, "a: 1 row 1 variant", "balanced, after a norm, graph of 20 pairs less the norms",
+             graph_us(1 | 2 | 4) - gnorm, bytes, t_cublas, "x cuBLAS"});
+        add({shape, "a: 1 row base", "balanced, after a norm, graph of 20 pairs less the norms, no delta",
+             graph_us(1 | 2) - gnorm, double(wbytes) + N * 4.0, t_cublas, "x cuBLAS"});
       }
       const double tcb = time_chain_us([&](int s) { cublas_rows(1, s); }, 20);
       add({shape, "a: 1 row base", "cuBLAS, chain of 20 calls", tcb, double(wbytes), t_cublas, "x cuBLAS"});
