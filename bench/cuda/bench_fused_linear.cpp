@@ -410,6 +410,21 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       for (auto& [k, e] : exec) cudaGraphExecDestroy(e);
     }
   } graphs;
+  // A graph of what issue(capture) launches: run once uncaptured first (scratch at its size), then
+  // captured and instantiated.
+  const auto make_graph = [&](const std::function<void(cudaStream_t)>& issue) {
+    BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+    issue(capture);
+    BITDELTA_CUDA_CHECK(cudaStreamSynchronize(capture));
+    cudaGraph_t g;
+    cudaGraphExec_t e;
+    BITDELTA_CUDA_CHECK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
+    issue(capture);
+    BITDELTA_CUDA_CHECK(cudaStreamEndCapture(capture, &g));
+    BITDELTA_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+    BITDELTA_CUDA_CHECK(cudaGraphDestroy(g));
+    return e;
+  };
   // deltas(s): the rows' variants in weight set s.
   const auto side_by_side = [&](int s, const std::function<std::vector<DeltaRef>(int)>& deltas, bool add,
                                 int chain, int parts = kBoth) {
@@ -417,16 +432,10 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     if (chain == 0) return route(s, d, add, nullptr, parts);
     cudaGraphExec_t& e = graphs.exec[{W(s), d[0].signs, d.size(), add, chain, parts}];
     if (!e) {
-      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
       BITDELTA_CUBLAS_CHECK(cublasSetStream(prefill.handle(), capture));
-      for (int i = 0; i < chain; ++i) route(s + i, deltas(s + i), add, capture, parts);  // scratch at its size first
-      BITDELTA_CUDA_CHECK(cudaStreamSynchronize(capture));
-      cudaGraph_t g;
-      BITDELTA_CUDA_CHECK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < chain; ++i) route(s + i, deltas(s + i), add, capture, parts);
-      BITDELTA_CUDA_CHECK(cudaStreamEndCapture(capture, &g));
-      BITDELTA_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-      BITDELTA_CUDA_CHECK(cudaGraphDestroy(g));
+      e = make_graph([&](cudaStream_t st) {
+        for (int i = 0; i < chain; ++i) route(s + i, deltas(s + i), add, st, parts);
+      });
       BITDELTA_CUBLAS_CHECK(cublasSetStream(prefill.handle(), nullptr));
     }
     BITDELTA_CUDA_CHECK(cudaGraphLaunch(e, nullptr));
@@ -553,26 +562,16 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
         // faster, the 7B step does). what: 1 the norm, 2 the linear, 4 with the delta.
         const auto graph_of_20 = [&](int s, int what) {
           cudaGraphExec_t& e = graphs.exec[{W(s), nullptr, 0, false, 20, 100 + what}];
-          const auto issue = [&](cudaStream_t st) {
-            for (int i = 0; i < 20; ++i) {
-              if (what & 1) normed->norm(1, st);
-              if (what & 2) {
-                const DeltaRef d = (what & 4) ? delta(s + i, 0) : DeltaRef{};
-                bcuda::fused_linear_decode(W(s + i), N, K, normed->x(), 1, {&d, 1}, Y, st, {0, 0, kBalanced});
+          if (!e)
+            e = make_graph([&](cudaStream_t st) {
+              for (int i = 0; i < 20; ++i) {
+                if (what & 1) normed->norm(1, st);
+                if (what & 2) {
+                  const DeltaRef d = (what & 4) ? delta(s + i, 0) : DeltaRef{};
+                  bcuda::fused_linear_decode(W(s + i), N, K, normed->x(), 1, {&d, 1}, Y, st, {0, 0, kBalanced});
+                }
               }
-            }
-          };
-          if (!e) {  // one uncaptured run first (scratch at its size), as side_by_side does
-            BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
-            issue(capture);
-            BITDELTA_CUDA_CHECK(cudaStreamSynchronize(capture));
-            cudaGraph_t g;
-            BITDELTA_CUDA_CHECK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
-            issue(capture);
-            BITDELTA_CUDA_CHECK(cudaStreamEndCapture(capture, &g));
-            BITDELTA_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-            BITDELTA_CUDA_CHECK(cudaGraphDestroy(g));
-          }
+            });
           BITDELTA_CUDA_CHECK(cudaGraphLaunch(e, nullptr));
         };
         const auto graph_us = [&](int what) { return time_us([&](int s) { graph_of_20(s * 20, what); }, reps) / 20; };
