@@ -21,7 +21,8 @@ if [ "${BITDELTA_BUNDLE_EXTRA:-0}" = 1 ]; then targets+=(bitdelta_tests bench_li
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 # The same engine with one PTX alone (BITDELTA_CUDA_PTX_ONLY=80 and 90), for gpu_run.sh's "portable"
 # stage: on the H200 they run what 8.x GPUs and GPUs after Hopper run. BITDELTA_BUNDLE_PTX=0 skips
-# them (a run that needs only .device/bin; from a cold ccache the three builds take three times as long).
+# them, for a run that needs only .device/bin (session 51, cold ccache: the normal build about 5 minutes,
+# the two PTX builds 2.5 more, their C++ mostly ccache hits).
 ptx_targets=(bitdelta bitdelta_gpu_tests test_cuda_fused_linear bench_gpu_e2e bench_cuda_fused_linear)
 ptx_archs=(80 90)
 [ "${BITDELTA_BUNDLE_PTX:-1}" = 0 ] && ptx_targets=() ptx_archs=()
