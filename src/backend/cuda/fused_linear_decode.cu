@@ -621,24 +621,19 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_row_kernel(const RowPar
       for (int h = 0; h < 2; ++h) al[h] = __ldg(p.alpha + (p.alpha_per_row ? min(tile * 16 + gid + 8 * h, N - 1) : 0));
     }
   };
-  // A warp with one round of units (L <= kWarps·c: at 4096² of the five shapes) neither stages its
-  // second batch nor prefetches its next unit (below): both send it to L2 instead.
+  // A warp with one round of units (L <= kWarps·c: at 4096² of the five shapes) sends its first
+  // unit's second batch to L2 rather than staging it, and does not prefetch its next unit (below).
   const bool one_round = L <= kWarps * c;
   // Before the wait (weights and deltas only: launch.cuh): the first tile's rows, sign blocks and α,
   // the warp's first load batch of W into registers (we, wf) and its second by cp.async into the
   // lane's 8 slots of the warp's stage in shared memory (no registers held while they fly; to L2
-  // where the unit is a partial block, the rows unaligned or the warp has one round). (Run 351,
-  // chains of 20 at 4096²: 10.9 µs against 11.9 with only the first unit to L2, sent after the
-  // block's loads of x to quantize it;
-  // NOTES.md, part 15, for why not before those loads then. Run 359, H100: the stage, against the
-  // second batch to L2, made the 7B batch-1 step 1.4% faster, 5.71-5.77 ms against 5.81-5.83, though
-  // chains of 20 of this kernel alone were 0.4-0.6 µs slower at 4096², where each launch's blocks
-  // wait for the one before to leave; in the model the launch before is a norm or attention. Runs
-  // 365-367: graphs of 20 (norm, linear) pairs find it 0.2-0.8 µs slower too, and on the H200 at
-  // 4096² 3.27 TB/s against 3.43 without it, while the 7B step there stays 0.2-0.5% faster with it.
-  // Run 368, H200, three rounds: without it at 4096² alone (one_round), graphs of pairs read 3.41
-  // TB/s against 3.25 with it, and the 7B step is level: base 4.03-4.04 ms, one variant 4.44-4.45,
-  // against 4.02-4.05 and 4.42-4.44 with the stage everywhere.)
+  // where the unit is a partial block, the rows unaligned or the warp has one round). Measured
+  // (bench/cuda/NOTES.md): loads before the wait, run 351 (chains of 20 at 4096²: 10.9 µs against 11.9
+  // with only the first unit to L2; part 15 for why not before the loads of x); the stage, run 359
+  // (H100: the 7B batch-1 step 5.71-5.77 ms against 5.81-5.83 with the second batch to L2); the stage
+  // dropped at one round, run 368 (H200, graphs of (norm, linear) pairs at 4096²: 3.41 TB/s against
+  // 3.25; the 7B step level, base 4.03-4.04 ms against 4.02-4.05, one variant 4.44-4.45 against
+  // 4.42-4.44).
   int cur = -1, T = 0, kb = 0;
   uint4 we[kU][2], wf[kU][2];
   bool have_w = false, staged = false;
