@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Session 53. One bundle built with runs/run373_ab.diff (run 372's switches plus two), for (b) at
+# 4096², where the route (cuBLAS base | memset, quantize_x, delta terms) is 1.29-1.31x its roofline:
+# - BITDELTA_AB_TERMS_STORE=1: no memset node at the fork; the terms kernel writes its rows (y not
+#   read); the join zeroes only rows no add_terms wrote (none in (b), where every row has a delta).
+#   The same floats as the committed form (0 + t = t).
+# - BITDELTA_AB_ROUTE_PRIO 0/1/2 (run 372): the side stream / the main streams at the greatest
+#   priority, graphs instantiated with per-node priorities.
+# - BITDELTA_AB_STREAM_BASE=1: in the engine, the streaming kernel takes the route's base at N <= 4096
+#   (the bench has it as its "stream kernel base | terms" rows).
+# - BITDELTA_AB_STAGE_ALL=1 (run 372): the stage in every one-row launch (S), against H (committed).
+# Order: the tests with the switches on, (b) at 4096² and 11008x4096 (two rounds of store x prio),
+# the 7B mixed step at batch 32 (two rounds), the batch-1 step S against H (two rounds), and on an
+# H200 three rounds of (a) at 4096² (the committed kernel), for the median that part 52 asked for.
+#   run(command="bash bench/cuda/runs/run373.sh", carry=[".device/bundle.tar.xz"])
+set -uo pipefail
+root=$(pwd)
+(cd .device && tar -xJf bundle.tar.xz) || exit 1
+export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64 BITDELTA_SOURCE_DIR=$root
+export BITDELTA_CLI_PATH=$root/.device/bin/bitdelta
+grep -qa BITDELTA_AB_TERMS_STORE .device/bin/bench_gpu_e2e || { echo "run373.sh: the bundle lacks the switch"; exit 1; }
+L=$OUT/run373.log
+t0=$(date +%s)
+stamp() { echo "-- $(( $(date +%s) - t0 )) s: $*"; }
+left() { [ $(( $(date +%s) - t0 )) -gt $1 ] && { echo "left out (time): $2"; return 0; }; return 1; }
+{
+date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+stamp "tests, store 1, stream base 1"
+BITDELTA_AB_TERMS_STORE=1 BITDELTA_AB_STREAM_BASE=1 .device/bin/bitdelta_gpu_tests > $OUT/gpu_tests.log 2>&1
+echo "rc $?"; grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure" $OUT/gpu_tests.log | head -10
+BITDELTA_AB_TERMS_STORE=1 .device/bin/test_cuda_fused_linear > /tmp/kt.log 2>&1; echo "rc $?"
+grep -E "^FAIL" /tmp/kt.log | head -10; grep -E "terms beside" /tmp/kt.log | head -4; tail -1 /tmp/kt.log
+for round in 1 2; do
+  for sp in 00 10 11 12 01; do
+    export BITDELTA_AB_TERMS_STORE=${sp:0:1} BITDELTA_AB_ROUTE_PRIO=${sp:1:1}
+    stamp "(b) round $round, store ${sp:0:1}, priority ${sp:1:1}"
+    .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 11008 4096 > /tmp/b.log 2>&1
+    grep -E "copy of|route, folded, graph of 20 |stream kernel base \| terms|x quantized before, stream base|alone, graph of 20 " /tmp/b.log
+    [ $round = 1 ] && [ $sp = 00 ] && cp /tmp/b.log $OUT/bench_b_store0.log
+    [ $round = 1 ] && [ $sp = 10 ] && cp /tmp/b.log $OUT/bench_b_store1.log
+  done
+done
+stamp "7B model"
+.device/bin/make_synthetic /tmp/l7b --layers 32 --hidden 4096 --inter 11008 --vocab 32000 --heads 32 --kv-heads 32 \
+  --tie 0 --shards 3 --finetune 0 --deltas 14 > /tmp/ms.log 2>&1 || tail -5 /tmp/ms.log
+cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json \
+  /tmp/l7b/base/
+for round in 1 2; do
+  for f in 000 100 110 001 101 111; do
+    left 500 "mixed round $round $f" && continue
+    export BITDELTA_AB_TERMS_STORE=${f:0:1} BITDELTA_AB_ROUTE_PRIO=${f:1:1} BITDELTA_AB_STREAM_BASE=${f:2:1}
+    echo "round $round store ${f:0:1} prio ${f:1:1} stream base ${f:2:1}: $(.device/bin/bench_gpu_e2e /tmp/l7b \
+      --decode 16 --profile-case mixed 2>&1 | grep -E '^batch' | tr '\n' ' ')"
+  done
+done
+unset BITDELTA_AB_TERMS_STORE BITDELTA_AB_ROUTE_PRIO BITDELTA_AB_STREAM_BASE
+for round in 1 2; do
+  for s in 0 1; do
+    left 560 "batch 1 round $round $s" && continue
+    export BITDELTA_AB_STAGE_ALL=$s
+    echo "round $round, stage everywhere $s: $(.device/bin/bench_gpu_e2e /tmp/l7b --decode 16 --profile-case "batch 1" 2>&1 | grep -E '^batch' | tr '\n' ' ')"
+  done
+done
+unset BITDELTA_AB_STAGE_ALL
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then  # (a) at 4096², the committed form
+  for round in 1 2 3; do
+    left 580 "(a) round $round" && continue
+    echo "-- (a) round $round"
+    .device/bin/bench_cuda_fused_linear --one-row 4096 4096 > /tmp/a.log 2>&1
+    grep -E "copy of|balanced, chain of 20 |after a norm|graph of 20" /tmp/a.log
+  done
+fi
+stamp done
+} > $L 2>&1
+cat $L
