@@ -9,7 +9,9 @@
 # - BITDELTA_AB_STREAM_BASE=1: in the engine, the streaming kernel takes the route's base at N <= 4096
 #   (the bench has it as its "stream kernel base | terms" rows).
 # - BITDELTA_AB_STAGE_ALL=1 (run 372): the stage in every one-row launch (S), against H (committed).
-# Order: the tests with the switches on, (b) at 4096² and 11008x4096 (two rounds of store x prio),
+# Order: the tests with the switches on, the edges of the bench's captured graphs (BITDELTA_GRAPH_EDGES:
+# does capture make the fork's edge programmatic once the memset is gone?), (b) at 4096² and 11008x4096
+# (two rounds of store x prio),
 # the 7B mixed step at batch 32 (two rounds), the batch-1 step S against H (two rounds), and on an
 # H200 three rounds of (a) at 4096² (the committed kernel), for the median that part 52 asked for.
 #   run(command="bash bench/cuda/runs/run373.sh", carry=[".device/bundle.tar.xz"])
@@ -30,6 +32,12 @@ BITDELTA_AB_TERMS_STORE=1 BITDELTA_AB_STREAM_BASE=1 .device/bin/bitdelta_gpu_tes
 echo "rc $?"; grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure" $OUT/gpu_tests.log | head -10
 BITDELTA_AB_TERMS_STORE=1 .device/bin/test_cuda_fused_linear > /tmp/kt.log 2>&1; echo "rc $?"
 grep -E "^FAIL" /tmp/kt.log | head -10; grep -E "terms beside" /tmp/kt.log | head -4; tail -1 /tmp/kt.log
+for st in 0 1; do  # the captured routes' edges (which are programmatic), with and without the memset node
+  stamp "graph edges, store $st"
+  BITDELTA_GRAPH_EDGES=1 BITDELTA_AB_TERMS_STORE=$st .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 \
+    2>&1 | grep -vE '^4096x4096' > $OUT/graph_edges_store$st.txt
+  grep -A12 -m1 'graph edges' $OUT/graph_edges_store$st.txt
+done
 for round in 1 2; do
   for sp in 00 10 11 12 01; do
     export BITDELTA_AB_TERMS_STORE=${sp:0:1} BITDELTA_AB_ROUTE_PRIO=${sp:1:1}
