@@ -8,6 +8,9 @@
 #   priority, graphs instantiated with per-node priorities.
 # - BITDELTA_AB_STREAM_BASE=1: in the engine, the streaming kernel takes the route's base at N <= 4096
 #   (the bench has it as its "stream kernel base | terms" rows).
+# - BITDELTA_AB_TERMS_QX=1: no quantize_x launch either; the terms kernel's first blocks quantize x's
+#   units (row, pair of blocks), one per half-warp, and publish each (a flag released), and its warps
+#   wait for the units they read. The same bytes as quantize_x (the kernel checks compare them).
 # - BITDELTA_AB_STAGE_ALL=1 (run 372): the stage in every one-row launch (S), against H (committed).
 # Order: the tests with the switches on, the edges of the bench's captured graphs (BITDELTA_GRAPH_EDGES:
 # does capture make the fork's edge programmatic once the memset is gone?), (b) at 4096² and 11008x4096
@@ -20,32 +23,36 @@ root=$(pwd)
 (cd .device && tar -xJf bundle.tar.xz) || exit 1
 export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64 BITDELTA_SOURCE_DIR=$root
 export BITDELTA_CLI_PATH=$root/.device/bin/bitdelta
-grep -qa BITDELTA_AB_TERMS_STORE .device/bin/bench_gpu_e2e || { echo "run373.sh: the bundle lacks the switch"; exit 1; }
+grep -qa BITDELTA_AB_TERMS_QX .device/bin/bench_gpu_e2e || { echo "run373.sh: the bundle lacks the switch"; exit 1; }
 L=$OUT/run373.log
 t0=$(date +%s)
 stamp() { echo "-- $(( $(date +%s) - t0 )) s: $*"; }
 left() { [ $(( $(date +%s) - t0 )) -gt $1 ] && { echo "left out (time): $2"; return 0; }; return 1; }
 {
 date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-stamp "tests, store 1, stream base 1"
-BITDELTA_AB_TERMS_STORE=1 BITDELTA_AB_STREAM_BASE=1 .device/bin/bitdelta_gpu_tests > $OUT/gpu_tests.log 2>&1
-echo "rc $?"; grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure" $OUT/gpu_tests.log | head -10
-BITDELTA_AB_TERMS_STORE=1 .device/bin/test_cuda_fused_linear > /tmp/kt.log 2>&1; echo "rc $?"
-grep -E "^FAIL" /tmp/kt.log | head -10; grep -E "terms beside" /tmp/kt.log | head -4; tail -1 /tmp/kt.log
-for st in 0 1; do  # the captured routes' edges (which are programmatic), with and without the memset node
-  stamp "graph edges, store $st"
-  BITDELTA_GRAPH_EDGES=1 BITDELTA_AB_TERMS_STORE=$st .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 \
-    2>&1 | grep -vE '^4096x4096' > $OUT/graph_edges_store$st.txt
-  grep -A12 -m1 'graph edges' $OUT/graph_edges_store$st.txt
+for q in 0 1; do
+  stamp "gpu tests, store 1, stream base 1, terms qx $q"
+  BITDELTA_AB_TERMS_STORE=1 BITDELTA_AB_STREAM_BASE=1 BITDELTA_AB_TERMS_QX=$q .device/bin/bitdelta_gpu_tests \
+    > $OUT/gpu_tests_qx$q.log 2>&1
+  echo "rc $?"; grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure" $OUT/gpu_tests_qx$q.log | head -10
+done
+stamp "kernel tests, store 1, terms qx 1"
+BITDELTA_AB_TERMS_STORE=1 BITDELTA_AB_TERMS_QX=1 .device/bin/test_cuda_fused_linear > /tmp/kt.log 2>&1; echo "rc $?"
+grep -E "^FAIL" /tmp/kt.log | head -10; grep -E "terms beside|delta only" /tmp/kt.log | head -6; tail -1 /tmp/kt.log
+for st in 00 11; do  # the captured routes' edges (which are programmatic): as committed; no memset, no quantize_x
+  stamp "graph edges, store ${st:0:1}, terms qx ${st:1:1}"
+  BITDELTA_GRAPH_EDGES=1 BITDELTA_AB_TERMS_STORE=${st:0:1} BITDELTA_AB_TERMS_QX=${st:1:1} \
+    .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 2>&1 | grep -vE '^4096x4096' > $OUT/graph_edges_$st.txt
+  grep -A12 -m1 'graph edges' $OUT/graph_edges_$st.txt
 done
 for round in 1 2; do
-  for sp in 00 10 11 12 01; do
-    export BITDELTA_AB_TERMS_STORE=${sp:0:1} BITDELTA_AB_ROUTE_PRIO=${sp:1:1}
-    stamp "(b) round $round, store ${sp:0:1}, priority ${sp:1:1}"
+  for spq in 000 100 101 111 121 110; do  # store, priority, terms qx
+    export BITDELTA_AB_TERMS_STORE=${spq:0:1} BITDELTA_AB_ROUTE_PRIO=${spq:1:1} BITDELTA_AB_TERMS_QX=${spq:2:1}
+    stamp "(b) round $round, store ${spq:0:1}, priority ${spq:1:1}, terms qx ${spq:2:1}"
     .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 11008 4096 > /tmp/b.log 2>&1
     grep -E "copy of|route, folded, graph of 20 |stream kernel base \| terms|x quantized before, stream base|alone, graph of 20 " /tmp/b.log
-    [ $round = 1 ] && [ $sp = 00 ] && cp /tmp/b.log $OUT/bench_b_store0.log
-    [ $round = 1 ] && [ $sp = 10 ] && cp /tmp/b.log $OUT/bench_b_store1.log
+    [ $round = 1 ] && [ $spq = 000 ] && cp /tmp/b.log $OUT/bench_b_000.log
+    [ $round = 1 ] && [ $spq = 101 ] && cp /tmp/b.log $OUT/bench_b_101.log
   done
 done
 stamp "7B model"
@@ -54,14 +61,15 @@ stamp "7B model"
 cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json \
   /tmp/l7b/base/
 for round in 1 2; do
-  for f in 000 100 110 001 101 111; do
+  for f in 0000 1000 1001 1011 1111 0010; do  # store, priority, stream base, terms qx
     left 500 "mixed round $round $f" && continue
-    export BITDELTA_AB_TERMS_STORE=${f:0:1} BITDELTA_AB_ROUTE_PRIO=${f:1:1} BITDELTA_AB_STREAM_BASE=${f:2:1}
-    echo "round $round store ${f:0:1} prio ${f:1:1} stream base ${f:2:1}: $(.device/bin/bench_gpu_e2e /tmp/l7b \
+    export BITDELTA_AB_TERMS_STORE=${f:0:1} BITDELTA_AB_ROUTE_PRIO=${f:1:1} BITDELTA_AB_STREAM_BASE=${f:2:1} \
+      BITDELTA_AB_TERMS_QX=${f:3:1}
+    echo "round $round store ${f:0:1} prio ${f:1:1} stream base ${f:2:1} qx ${f:3:1}: $(.device/bin/bench_gpu_e2e /tmp/l7b \
       --decode 16 --profile-case mixed 2>&1 | grep -E '^batch' | tr '\n' ' ')"
   done
 done
-unset BITDELTA_AB_TERMS_STORE BITDELTA_AB_ROUTE_PRIO BITDELTA_AB_STREAM_BASE
+unset BITDELTA_AB_TERMS_STORE BITDELTA_AB_ROUTE_PRIO BITDELTA_AB_STREAM_BASE BITDELTA_AB_TERMS_QX
 for round in 1 2; do
   for s in 0 1; do
     left 560 "batch 1 round $round $s" && continue
