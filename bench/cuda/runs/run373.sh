@@ -12,7 +12,8 @@
 #   units (row, pair of blocks), one per half-warp, and publish each (a flag released), and its warps
 #   wait for the units they read. The same bytes as quantize_x (the kernel checks compare them).
 # - BITDELTA_AB_STAGE_ALL=1 (run 372): the stage in every one-row launch (S), against H (committed).
-# Order: the tests with the switches on, the edges of the bench's captured graphs (BITDELTA_GRAPH_EDGES:
+# Every command has a time limit (the in-kernel quantizing's waits trap after about a second, so a
+# fault there is an error, not a hang). Order: the tests with the switches on, the edges of the bench's captured graphs (BITDELTA_GRAPH_EDGES:
 # does capture make the fork's edge programmatic once the memset is gone?), (b) at 4096² and 11008x4096
 # (two rounds of store x prio),
 # the 7B mixed step at batch 32 (two rounds), the batch-1 step S against H (two rounds), and on an
@@ -32,24 +33,24 @@ left() { [ $(( $(date +%s) - t0 )) -gt $1 ] && { echo "left out (time): $2"; ret
 date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for q in 0 1; do
   stamp "gpu tests, store 1, stream base 1, terms qx $q"
-  BITDELTA_AB_TERMS_STORE=1 BITDELTA_AB_STREAM_BASE=1 BITDELTA_AB_TERMS_QX=$q .device/bin/bitdelta_gpu_tests \
+  BITDELTA_AB_TERMS_STORE=1 BITDELTA_AB_STREAM_BASE=1 BITDELTA_AB_TERMS_QX=$q timeout 120 .device/bin/bitdelta_gpu_tests \
     > $OUT/gpu_tests_qx$q.log 2>&1
   echo "rc $?"; grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure" $OUT/gpu_tests_qx$q.log | head -10
 done
 stamp "kernel tests, store 1, terms qx 1"
-BITDELTA_AB_TERMS_STORE=1 BITDELTA_AB_TERMS_QX=1 .device/bin/test_cuda_fused_linear > /tmp/kt.log 2>&1; echo "rc $?"
+BITDELTA_AB_TERMS_STORE=1 BITDELTA_AB_TERMS_QX=1 timeout 150 .device/bin/test_cuda_fused_linear > /tmp/kt.log 2>&1; echo "rc $?"
 grep -E "^FAIL" /tmp/kt.log | head -10; grep -E "terms beside|delta only" /tmp/kt.log | head -6; tail -1 /tmp/kt.log
 for st in 00 11; do  # the captured routes' edges (which are programmatic): as committed; no memset, no quantize_x
   stamp "graph edges, store ${st:0:1}, terms qx ${st:1:1}"
   BITDELTA_GRAPH_EDGES=1 BITDELTA_AB_TERMS_STORE=${st:0:1} BITDELTA_AB_TERMS_QX=${st:1:1} \
-    .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 2>&1 | grep -vE '^4096x4096' > $OUT/graph_edges_$st.txt
+    timeout 60 .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 2>&1 | grep -vE '^4096x4096' > $OUT/graph_edges_$st.txt
   grep -A12 -m1 'graph edges' $OUT/graph_edges_$st.txt
 done
 for round in 1 2; do
   for spq in 000 100 101 111 121 110; do  # store, priority, terms qx
     export BITDELTA_AB_TERMS_STORE=${spq:0:1} BITDELTA_AB_ROUTE_PRIO=${spq:1:1} BITDELTA_AB_TERMS_QX=${spq:2:1}
     stamp "(b) round $round, store ${spq:0:1}, priority ${spq:1:1}, terms qx ${spq:2:1}"
-    .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 11008 4096 > /tmp/b.log 2>&1
+    timeout 60 .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 11008 4096 > /tmp/b.log 2>&1
     grep -E "copy of|route, folded, graph of 20 |stream kernel base \| terms|x quantized before, stream base|alone, graph of 20 " /tmp/b.log
     [ $round = 1 ] && [ $spq = 000 ] && cp /tmp/b.log $OUT/bench_b_000.log
     [ $round = 1 ] && [ $spq = 101 ] && cp /tmp/b.log $OUT/bench_b_101.log
@@ -65,7 +66,7 @@ for round in 1 2; do
     left 500 "mixed round $round $f" && continue
     export BITDELTA_AB_TERMS_STORE=${f:0:1} BITDELTA_AB_ROUTE_PRIO=${f:1:1} BITDELTA_AB_STREAM_BASE=${f:2:1} \
       BITDELTA_AB_TERMS_QX=${f:3:1}
-    echo "round $round store ${f:0:1} prio ${f:1:1} stream base ${f:2:1} qx ${f:3:1}: $(.device/bin/bench_gpu_e2e /tmp/l7b \
+    echo "round $round store ${f:0:1} prio ${f:1:1} stream base ${f:2:1} qx ${f:3:1}: $(timeout 60 .device/bin/bench_gpu_e2e /tmp/l7b \
       --decode 16 --profile-case mixed 2>&1 | grep -E '^batch' | tr '\n' ' ')"
   done
 done
