@@ -40,11 +40,14 @@ done
 stamp "kernel tests, store 1, terms qx 1"
 BITDELTA_AB_TERMS_STORE=1 BITDELTA_AB_TERMS_QX=1 timeout 150 .device/bin/test_cuda_fused_linear > /tmp/kt.log 2>&1; echo "rc $?"
 grep -E "^FAIL" /tmp/kt.log | head -10; grep -E "terms beside|delta only" /tmp/kt.log | head -6; tail -1 /tmp/kt.log
-for st in 00 11; do  # the captured routes' edges (which are programmatic): as committed; no memset, no quantize_x
-  stamp "graph edges, store ${st:0:1}, terms qx ${st:1:1}"
-  BITDELTA_GRAPH_EDGES=1 BITDELTA_AB_TERMS_STORE=${st:0:1} BITDELTA_AB_TERMS_QX=${st:1:1} \
-    timeout 60 .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 2>&1 | grep -vE '^4096x4096' > $OUT/graph_edges_$st.txt
-  grep -A12 -m1 'graph edges' $OUT/graph_edges_$st.txt
+# The captured routes' edges (which are programmatic) and kernel nodes' priorities: as committed; no
+# memset and no quantize_x; the same with the side stream at the greatest priority.
+for spq in 000 101 111; do
+  stamp "graph edges, store ${spq:0:1}, priority ${spq:1:1}, terms qx ${spq:2:1}"
+  BITDELTA_GRAPH_EDGES=1 BITDELTA_AB_TERMS_STORE=${spq:0:1} BITDELTA_AB_ROUTE_PRIO=${spq:1:1} \
+    BITDELTA_AB_TERMS_QX=${spq:2:1} timeout 60 .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 2>&1 |
+    grep -vE '^4096x4096' > $OUT/graph_edges_$spq.txt
+  grep -A16 -m1 'graph edges' $OUT/graph_edges_$spq.txt
 done
 for round in 1 2; do
   for spq in 000 100 101 111 121 110; do  # store, priority, terms qx
