@@ -308,9 +308,10 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
   }
   // The delta terms beside a GEMM (DeltaTermsBeside, a decode step's gathered rows in the engine):
   // forked over a buffer one row longer on each side than the rows, poisoned (NaN), the terms at
-  // its second row. The fork zeroes the whole buffer (also with no terms added before the join):
-  // rows outside stay exactly 0, the rows' terms are exactly delta_only's on zeros in
-  // launches of up to 32 rows, and the CPU's base plus them is the whole product.
+  // its second row. The terms are written, not added (delta_store), and the join zeroes the rest
+  // (also with no terms added before it): rows outside and rows without a delta end exactly 0, the
+  // rows' terms are exactly delta_only's on zeros in launches of up to 32 rows, and the CPU's base
+  // plus them is the whole product. delta_store alone leaves the rows without a delta as they were.
   if (rows <= 2 * bcuda::kMaxDecodeRows) {
     static bcuda::DeltaTermsBeside beside;
     const size_t span = size_t(rows + 2) * N;
@@ -330,6 +331,25 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
     }
     BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<float> got = dt.to_host(), want = dz.to_host();
+    if (rows <= bcuda::kMaxDecodeRows) {  // delta_store on a poisoned buffer, no join
+      DeviceBuffer<float> ds(size_t(rows) * N);
+      poison(ds.ptr, ds.n);
+      o.delta_store = true;
+      bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, ds.ptr, nullptr, o);
+      o.delta_store = false;
+      BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<float> stored = ds.to_host();
+      size_t bad = 0;
+      for (int r = 0; r < rows; ++r)
+        for (int n = 0; n < N; ++n) {
+          const float v = stored[size_t(r) * N + n];
+          bad += row_variant[r] >= 0 ? !(v == want[size_t(r) * N + n]) : !std::isnan(v);
+        }
+      ++checks;
+      if (bad) ++failures;
+      std::printf("%s delta store: %zu floats differ from the terms on zeros or touch a row without a delta  %s\n",
+                  bad ? "FAIL" : "ok  ", bad, tag.c_str());
+    }
     size_t outside = 0, inside = 0;
     for (size_t i = 0; i < size_t(N); ++i) outside += (got[i] != 0.0f) + (got[span - 1 - i] != 0.0f);
     for (size_t i = 0; i < want.size(); ++i) inside += !(got[size_t(N) + i] == want[i]);

@@ -357,7 +357,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   const int reps = profile_only ? 1 : wbytes > (200u << 20) ? 30 : 100;
   auto cublas_rows = [&](int rows, int s) { cublas_base(prefill, W(s), N, K, X, rows, Y); };
   // The engine's route for gathered rows of several variants (device_model.cu linear()), through
-  // the same calls: a second stream zeroes a buffer and adds the delta terms to it
+  // the same calls: a second stream writes the delta terms to a buffer of their own
   // (DeltaTermsBeside) while cuBLAS takes the base (PrefillLinear, kBaseOnly); the join; then, with
   // `add`, y += the buffer (add_to). Without, the linear ends at the join: in the engine the kernel
   // that consumes y then reads the buffer too (ops.cuh, terms), rows·N·4 bytes more there. As the

@@ -39,6 +39,7 @@ struct TermParams {
   float* y;
   int N, KB, nslots;
   int wk;  // warps along K per row-group set (2, 4 or 8); the block's 8 / wk sets take kGroupsOf<RS> groups each
+  int store;  // y = the terms (y not read), not y += them
   TermSlot slots[kMaxDecodeRows];
 };
 
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel
   // What the end needs goes out before the loop, so that its latency hides behind the loop's: thread
   // tid writes the outputs f = tid + 256·o < sets·kSetOut, each y[row i][n] of (set f / kSetOut, group
   // u, slot row i, row e % 16 of the group), e = f % kSetOut; their α now (weights), the y they add
-  // to after the wait; warp i < RS sums slot row i's Σq term.
+  // to after the wait (none with p.store); warp i < RS sums slot row i's Σq term.
   int eset[kOuts], e[kOuts], ei[kOuts], en[kOuts];
   bool writes[kOuts];
   float al[kOuts], y0[kOuts], q = 0.0f;
@@ -123,7 +124,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel
 #pragma unroll
   for (int o = 0; o < kOuts; ++o) {
     out[o] = writes[o] ? p.y + size_t(slot.row[ei[o]]) * p.N + en[o] : nullptr;
-    if (writes[o]) y0[o] = __ldcg(out[o]);
+    if (writes[o] && !p.store) y0[o] = __ldcg(out[o]);
   }
   if (kb0 < kb1) load_x(kb0);
   if (warp < nrows && warp < RS)
@@ -180,7 +181,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel
 }  // namespace
 
 void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const DeltaRef> deltas, float* y,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, bool store) {
   if (rows < 1 || rows > kMaxDecodeRows) fail("cuda::delta_terms: ", rows, " rows (1..", kMaxDecodeRows, " allowed)");
   if (int(deltas.size()) != rows) fail("cuda::delta_terms: ", deltas.size(), " deltas for ", rows, " rows");
   if (N < 1 || K < 1) fail("cuda::delta_terms: empty weight [", N, ", ", K, "]");
@@ -205,7 +206,7 @@ void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const Delt
   for (const auto& rv : by_variant) with_delta += rv.size();
   const int RS = with_delta > variant.size() ? 2 : 1;
   TermParams p{};
-  p.xq = xq, p.xq_block = quantized_x_block(rows), p.y = y, p.N = N, p.KB = sign_blocks(K);
+  p.xq = xq, p.xq_block = quantized_x_block(rows), p.y = y, p.N = N, p.KB = sign_blocks(K), p.store = store;
   for (size_t v = 0; v < variant.size(); ++v)
     for (size_t a = 0; a < by_variant[v].size(); a += size_t(RS)) {
       TermSlot& s = p.slots[p.nslots++];

@@ -32,8 +32,9 @@ namespace bitdelta::cuda {
 
 // xq: the rows quantized by quantize_x in pairs (rows, K; quantize_x(..., pairs = true)); deltas[r]:
 // row r's variant (signs in the packed layout, 16-byte aligned; rows without signs add nothing).
-// y[rows, N] is added to.
+// y[rows, N] is added to, or with store its rows with a delta are written (the terms alone, y not
+// read) and the others left as they are.
 void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const DeltaRef> deltas, float* y,
-                 cudaStream_t stream);
+                 cudaStream_t stream, bool store = false);
 
 }  // namespace bitdelta::cuda

@@ -653,9 +653,9 @@ struct DeviceModel::Impl {
         // the 7B mixed step of 14 variants against the GEMM and then the terms on one stream (run
         // 340, alternated twice, NOTES.md part 40): compute_80 build batch 8 7.46 / 7.50 → 6.78 /
         // 6.74 ms, 16 9.96 / 9.92 → 9.14 / 9.16, 32 12.22 / 12.00 → 11.57 / 11.46; normal build
-        // batch 48 15.97 / 15.45 → 15.09 / 15.24, 64 19.22 / 18.89 → 18.96 / 18.73. The terms add
-        // to zeros, then to y: fl(base + fl(α·t)), where on one stream base + α·t could be one fused
-        // multiply-add (the same bound either way: the GPU tests).
+        // batch 48 15.97 / 15.45 → 15.09 / 15.24, 64 19.22 / 18.89 → 18.96 / 18.73. The terms are
+        // written alone, then added to y: fl(base + fl(α·t)), where on one stream base + α·t could be
+        // one fused multiply-add (the same bound either way: the GPU tests).
         if (any_delta) {
           if (!t) {
             t = static_cast<float*>(stream_scratch(ScratchUse::kDeltaTerms, ctx->stream, R * size_t(N) * sizeof(float)));
