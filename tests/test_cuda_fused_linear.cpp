@@ -256,7 +256,7 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
        // y holds the CPU's base beforehand, so y + the terms is the whole product. All rows in one
        // launch (delta_terms.cuh), x quantized by the call or before it; rows with no delta add
        // nothing; twice from the same y, the same floats (the warps' sums meet in a fixed order); a
-       // kernel named is refused.
+       // kernel named is refused, and so is delta_store without delta_only.
       std::vector<DeltaRef> none(rows);
       std::vector<float> base(ref.size());
       bitdelta::cpu::fused_linear_reference(wv, xf, rows, none, nullptr, base);
@@ -284,6 +284,10 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
       o.kernel = DK::kRegisters;
       expect_refused("delta only on a named kernel", "delta_only takes no kernel and no form_weights",
                      [&] { bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyb.ptr, nullptr, o); });
+      bcuda::DecodeOptions store_alone;
+      store_alone.delta_store = true;
+      expect_refused("delta store without delta only", "delta_store takes delta_only",
+                     [&] { bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyb.ptr, nullptr, store_alone); });
     }
     // Back to back on one stream, no synchronization between: the second call's quantized x must
     // not be read before its own quantization finished (programmatic dependent launch), nor

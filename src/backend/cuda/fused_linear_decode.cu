@@ -1058,6 +1058,8 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
     else if (deltas[q].alpha != d.alpha || deltas[q].alpha_per_row != d.alpha_per_row)
       fail("cuda::fused_linear_decode: rows share signs ", d.signs, " but not alpha");
   }
+  if (options.delta_store && !options.delta_only)
+    fail("cuda::fused_linear_decode: delta_store takes delta_only (it writes the delta terms alone)");
   if (options.delta_only) {  // delta_terms.cuh: every row in one launch after x's quantization
     if (options.form_weights || options.kernel != DecodeKernel::kAuto)
       fail("cuda::fused_linear_decode: delta_only takes no kernel and no form_weights");

@@ -85,8 +85,8 @@ struct DecodeOptions {
   // the rows (where the streaming kernel does not run, from 3 rows of several variants:
   // device_model.cu). Takes no kernel and no form_weights.
   bool delta_only = false;
-  // With delta_only: y's rows with a delta get the terms alone (y not read), the others are left as
-  // they are (DeltaTermsBeside: its buffer needs no zeroing before).
+  // With delta_only (refused without it): y's rows with a delta get the terms alone (y not read), the
+  // others are left as they are (DeltaTermsBeside: its buffer needs no zeroing before).
   bool delta_store = false;
 };
 
