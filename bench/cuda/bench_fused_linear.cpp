@@ -380,7 +380,11 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // dropped, run 352: below).
   // kAfterNorm: the norm that writes the rows' x first (NormedX), the route reading that x; alone, the
   // norm only (no fork or join).
+  // With kStreamBase, parts >> kFusedShift: the rows (the first ones, a variant each at 16 rows of 16)
+  // whose delta terms the streaming base computes itself (its fused form), the terms branch the rest:
+  // a lighter side branch, so that the two branches end closer together.
   enum Parts { kBoth = 3, kBaseAlone = 1, kTermsAlone = 2, kStreamBase = 4, kXqBefore = 8, kAfterNorm = 16 };
+  constexpr int kFusedShift = 5;
   DeviceMem xq16(bcuda::quantized_x_bytes(kVariants, K));
   bcuda::quantize_x(X, kVariants, K, static_cast<uint8_t*>(xq16.ptr), nullptr, true);
   const auto route = [&](int s, std::span<const DeltaRef> d, bool add, cudaStream_t st, int parts) {
@@ -392,14 +396,15 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       if ((parts & kBoth) == 0) return;
     }
     auto* terms = static_cast<float*>(yd.ptr);
+    std::vector<DeltaRef> side(d.begin(), d.end()), fused(static_cast<size_t>(rows));
+    for (int r = 0; r < std::min(rows, parts >> kFusedShift); ++r) fused[size_t(r)] = d[size_t(r)], side[size_t(r)] = {};
     beside.fork(st, terms, size_t(rows) * N);
     if (parts & kTermsAlone)
-      beside.add_terms(W(s), N, K, xin, rows, d, terms,
+      beside.add_terms(W(s), N, K, xin, rows, side, terms,
                        (parts & kXqBefore) ? static_cast<const uint8_t*>(xq16.ptr) : nullptr);
-    if ((parts & kBaseAlone) && (parts & kStreamBase)) {
-      const std::vector<DeltaRef> none(static_cast<size_t>(rows));
-      bcuda::fused_linear_decode(W(s), N, K, xin, rows, none, Y, st, {0, 0, kStream});
-    } else if (parts & kBaseAlone)
+    if ((parts & kBaseAlone) && (parts & kStreamBase))
+      bcuda::fused_linear_decode(W(s), N, K, xin, rows, fused, Y, st, {0, 0, kStream});
+    else if (parts & kBaseAlone)
       prefill.run(bcuda::PrefillMethod::kBaseOnly, W(s), N, K, xin, rows, DeltaRef{}, Y);
     beside.join(st);
     if (add) bcuda::add_to(Y, terms, size_t(rows) * N, st);
@@ -758,14 +763,22 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       // route's 1.30 in run 352, but in the 7B mixed steps the norms and SwiGLU writing x quantized
       // made the step slower, 8.78 → 9.40 ms at batch 16, and the streaming base was level: the
       // engine takes neither. Runs 351-352 name these rows "AB route, ...".)
+      // Then the streaming base beside the terms, and the same with the streaming base taking 1, 2 or 4
+      // variants' terms itself (kFusedShift).
       for (int round = 0; round < 2; ++round)
-        for (int parts : {int(kBoth), kBoth | kXqBefore, kBoth | kXqBefore | kStreamBase}) {
+        for (int parts : {int(kBoth), kBoth | kXqBefore, kBoth | kXqBefore | kStreamBase, kBoth | kStreamBase,
+                          kBoth | kStreamBase | 1 << kFusedShift, kBoth | kStreamBase | 2 << kFusedShift,
+                          kBoth | kStreamBase | 4 << kFusedShift}) {
           if ((parts & kStreamBase) && !stream_runs) continue;
           const double ts = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, parts); }, reps) / 20;
+          const int fused = parts >> kFusedShift;
           add({shape, "b: 16 rows 16 variants",
-               parts == kBoth                ? "route, folded, graph of 20"
-               : (parts & kStreamBase) == 0 ? "route, folded, graph of 20, x quantized before"
-                                             : "route, folded, graph of 20, x quantized before, stream base",
+               parts == kBoth                ? std::string("route, folded, graph of 20")
+               : (parts & kStreamBase) == 0 ? std::string("route, folded, graph of 20, x quantized before")
+               : (parts & kXqBefore)        ? std::string("route, folded, graph of 20, x quantized before, stream base")
+               : fused == 0                 ? std::string("stream base | terms, graph of 20 (alternated)")
+                                            : "stream base with " + std::to_string(fused) + " variants' terms | " +
+                                                  std::to_string(kVariants - fused) + ", graph of 20",
                ts, bytes, roof, "x roofline"});
         }
       {

@@ -4,6 +4,9 @@
 # main part, whose kernel checks include "delta store", then, on an H200 only, four more rounds of (a)
 # at 4096² (for a median of five with main's) and two more of (b) at 4096² and 11008x4096; then, if
 # the call has run under 330 s, run361.sh's part p (the two PTX builds' tests, about 210 s).
+# Session 55: the (b) rows now include the streaming base taking 1, 2 or 4 variants' terms itself
+# beside the terms of the rest (bench_fused_linear.cpp, kFusedShift), alternated with the plain
+# streaming base | terms, twice per shape.
 #   run(command="bash bench/cuda/runs/run376.sh", carry=[".device/bundle.tar.xz"])
 set -uo pipefail
 root=$(pwd)
@@ -24,7 +27,7 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   for round in 2 3; do
     echo "-- (b) round $round, $(( $(date +%s) - t0 )) s"
     timeout 60 .device/bin/bench_cuda_fused_linear --many-variants 4096 4096 11008 4096 > /tmp/b.log 2>&1
-    grep -E "copy of|b: roofline|route, folded, graph of 20 |alone, graph of 20 |after a norm|stream kernel base \|" /tmp/b.log
+    grep -E "copy of|b: roofline|route, folded, graph of 20 |alone, graph of 20 |after a norm|stream kernel base \||stream base" /tmp/b.log
   done
 else
   echo "not an H200: extra rounds left out"
