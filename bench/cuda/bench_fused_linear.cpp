@@ -380,11 +380,14 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // dropped, run 352: below).
   // kAfterNorm: the norm that writes the rows' x first (NormedX), the route reading that x; alone, the
   // norm only (no fork or join).
-  // With kStreamBase, parts >> kFusedShift: the rows (the first ones, a variant each at 16 rows of 16)
-  // whose delta terms the streaming base computes itself (its fused form), the terms branch the rest:
-  // a lighter side branch, so that the two branches end closer together.
+  // With kStreamBase: (parts >> kFusedShift) & 7, the rows (the first ones, a variant each at 16 rows
+  // of 16) whose delta terms the streaming base computes itself (its fused form), the terms branch the
+  // rest: a lighter side branch, so that the two branches end closer together; kBaseFirst, the base
+  // issued before the terms (the streaming kernel's persistent blocks take their multiprocessors
+  // first); parts >> kBlocksShift, the streaming base's blocks (DecodeOptions::blocks; 0: its rule),
+  // fewer leaving multiprocessors to the terms.
   enum Parts { kBoth = 3, kBaseAlone = 1, kTermsAlone = 2, kStreamBase = 4, kXqBefore = 8, kAfterNorm = 16 };
-  constexpr int kFusedShift = 5;
+  constexpr int kFusedShift = 5, kBaseFirst = 256, kBlocksShift = 9;
   DeviceMem xq16(bcuda::quantized_x_bytes(kVariants, K));
   bcuda::quantize_x(X, kVariants, K, static_cast<uint8_t*>(xq16.ptr), nullptr, true);
   const auto route = [&](int s, std::span<const DeltaRef> d, bool add, cudaStream_t st, int parts) {
@@ -397,15 +400,22 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     }
     auto* terms = static_cast<float*>(yd.ptr);
     std::vector<DeltaRef> side(d.begin(), d.end()), fused(static_cast<size_t>(rows));
-    for (int r = 0; r < std::min(rows, parts >> kFusedShift); ++r) fused[size_t(r)] = d[size_t(r)], side[size_t(r)] = {};
+    for (int r = 0; r < std::min(rows, (parts >> kFusedShift) & 7); ++r)
+      fused[size_t(r)] = d[size_t(r)], side[size_t(r)] = {};
+    const auto base = [&] {
+      bcuda::DecodeOptions o{0, 0, kStream};
+      o.blocks = parts >> kBlocksShift;
+      if ((parts & kBaseAlone) && (parts & kStreamBase))
+        bcuda::fused_linear_decode(W(s), N, K, xin, rows, fused, Y, st, o);
+      else if (parts & kBaseAlone)
+        prefill.run(bcuda::PrefillMethod::kBaseOnly, W(s), N, K, xin, rows, DeltaRef{}, Y);
+    };
     beside.fork(st, terms, size_t(rows) * N);
+    if (parts & kBaseFirst) base();
     if (parts & kTermsAlone)
       beside.add_terms(W(s), N, K, xin, rows, side, terms,
                        (parts & kXqBefore) ? static_cast<const uint8_t*>(xq16.ptr) : nullptr);
-    if ((parts & kBaseAlone) && (parts & kStreamBase))
-      bcuda::fused_linear_decode(W(s), N, K, xin, rows, fused, Y, st, {0, 0, kStream});
-    else if (parts & kBaseAlone)
-      prefill.run(bcuda::PrefillMethod::kBaseOnly, W(s), N, K, xin, rows, DeltaRef{}, Y);
+    if (!(parts & kBaseFirst)) base();
     beside.join(st);
     if (add) bcuda::add_to(Y, terms, size_t(rows) * N, st);
   };
@@ -763,23 +773,29 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       // route's 1.30 in run 352, but in the 7B mixed steps the norms and SwiGLU writing x quantized
       // made the step slower, 8.78 → 9.40 ms at batch 16, and the streaming base was level: the
       // engine takes neither. Runs 351-352 name these rows "AB route, ...".)
-      // Then the streaming base beside the terms, and the same with the streaming base taking 1, 2 or 4
-      // variants' terms itself (kFusedShift).
+      // Then the streaming base beside the terms: as above; taking 1, 2 or 4 variants' terms itself
+      // (kFusedShift); issued first (kBaseFirst); on 64 or 32 blocks (kBlocksShift).
+      constexpr int kSB = kBoth | kStreamBase;
       for (int round = 0; round < 2; ++round)
-        for (int parts : {int(kBoth), kBoth | kXqBefore, kBoth | kXqBefore | kStreamBase, kBoth | kStreamBase,
-                          kBoth | kStreamBase | 1 << kFusedShift, kBoth | kStreamBase | 2 << kFusedShift,
-                          kBoth | kStreamBase | 4 << kFusedShift}) {
+        for (int parts : {int(kBoth), kBoth | kXqBefore, kSB | kXqBefore, kSB, kSB | 1 << kFusedShift,
+                          kSB | 2 << kFusedShift, kSB | 4 << kFusedShift, kSB | kBaseFirst,
+                          kSB | kBaseFirst | 64 << kBlocksShift, kSB | kBaseFirst | 32 << kBlocksShift,
+                          kSB | 64 << kBlocksShift}) {
           if ((parts & kStreamBase) && !stream_runs) continue;
           const double ts = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, parts); }, reps) / 20;
-          const int fused = parts >> kFusedShift;
-          add({shape, "b: 16 rows 16 variants",
-               parts == kBoth                ? std::string("route, folded, graph of 20")
-               : (parts & kStreamBase) == 0 ? std::string("route, folded, graph of 20, x quantized before")
-               : (parts & kXqBefore)        ? std::string("route, folded, graph of 20, x quantized before, stream base")
-               : fused == 0                 ? std::string("stream base | terms, graph of 20 (alternated)")
-                                            : "stream base with " + std::to_string(fused) + " variants' terms | " +
-                                                  std::to_string(kVariants - fused) + ", graph of 20",
-               ts, bytes, roof, "x roofline"});
+          const int fused = (parts >> kFusedShift) & 7, blocks = parts >> kBlocksShift;
+          std::string name = parts == kBoth                ? "route, folded, graph of 20"
+                             : (parts & kStreamBase) == 0 ? "route, folded, graph of 20, x quantized before"
+                             : (parts & kXqBefore) ? "route, folded, graph of 20, x quantized before, stream base"
+                                                   : "stream base";
+          if ((parts & kStreamBase) && !(parts & kXqBefore)) {
+            if (fused) name += " with " + std::to_string(fused) + " variants' terms";
+            if (blocks) name += " on " + std::to_string(blocks) + " blocks";
+            name += (parts & kBaseFirst) ? " first | terms" : " | terms";
+            if (fused) name += " of " + std::to_string(kVariants - fused);
+            name += ", graph of 20";
+          }
+          add({shape, "b: 16 rows 16 variants", name, ts, bytes, roof, "x roofline"});
         }
       {
         const double ts =
