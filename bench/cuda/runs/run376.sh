@@ -5,9 +5,8 @@
 # at 4096² (for a median of five with main's) and two more of (b) at 4096² and 11008x4096; then, if
 # the call has run under 330 s, run361.sh's part p (the two PTX builds' tests, about 210 s).
 # Session 55: the (b) rows now include the streaming base taking 1, 2 or 4 variants' terms itself
-# beside the terms of the rest (bench_fused_linear.cpp, kFusedShift), issued first, on 64 or 32 blocks,
-# alternated with the plain
-# streaming base | terms, twice per shape.
+# beside the terms of the rest (bench_fused_linear.cpp, kFusedShift), issued first, and on 64 or 32
+# blocks, alternated with the plain streaming base | terms, twice per shape.
 #   run(command="bash bench/cuda/runs/run376.sh", carry=[".device/bundle.tar.xz"])
 set -uo pipefail
 root=$(pwd)
