@@ -14,7 +14,8 @@
 // portable fused GEMM's configurations at those row counts;
 // --tile-read [N K ...] the streaming kernel's TMA ring alone in several stage geometries (tile_read.h);
 // --stream-trace [N K ...] the streaming kernel's per-block timeline (a BITDELTA_STREAM_TRACE build), also
-// with x quantized before and with parts of its work knocked out (stream_knockout).
+// with x quantized before and with parts of its work knocked out (stream_knockout); --route-trace [N K ...]
+// (b)'s route with its two branches on one timeline (the same build).
 // Timing: CUDA events around each call, warm-up, median of many reps; every rep uses the next of
 // several weight/sign buffer sets so that the 60 MB L2 never serves them; data random (never
 // zeros). The device-to-device copy bandwidth (read + write) is measured in the same run: the
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/delta_terms.cuh"
 #include "backend/cuda/delta_terms_beside.cuh"
 #include "backend/cuda/fused_linear_decode.cuh"
 #include "backend/cuda/fused_linear_stream.cuh"
@@ -263,6 +265,80 @@ void trace_stream(const std::string& shape, const std::string& what, const std::
 #endif
 }
 
+#ifdef BITDELTA_STREAM_TRACE
+// --route-trace: (b)'s route in graphs of 20 (run(l, parts) launches graph l of the form), the last
+// route's blocks read back: the streaming base's (fused_linear_stream.cuh's trace) and the delta terms'
+// (delta_terms.cuh's). Prints per form, medians over the launches, µs from the first entry of either:
+// the span to the last block's end; per kernel the first, median and last entry and end (the terms'
+// wait for x's quantizing too); then, for the last launch, the blocks of each resident per µs.
+void route_trace(const std::string& shape, const std::function<void(int, int)>& run,
+                 const std::vector<std::pair<int, const char*>>& forms) {
+  namespace c = bitdelta::cuda;
+  for (const auto& [parts, name] : forms) {
+    for (int l = 0; l < 4; ++l) run(l, parts);
+    c::stream_trace_take();
+    c::terms_trace_take();
+    std::vector<std::vector<double>> stat(16);
+    std::vector<std::pair<double, double>> last_s, last_t;
+    int nstream = 0, nterms = 0;
+    for (int l = 0; l < kTraceLaunches; ++l) {
+      run(l, parts);
+      const auto ts = c::stream_trace_take(), tt = c::terms_trace_take();
+      std::vector<std::pair<double, double>> sb, tb;  // (entry, end) in ns
+      std::vector<double> tw;
+      for (int b = 0; b < c::kTraceBlocks; ++b) {
+        const auto* e = &ts[size_t(b) * c::kTraceEvents];
+        if (e[c::kTraceSm]) sb.emplace_back(double(e[c::kTraceEntry]), double(e[c::kTraceDone]));
+      }
+      for (int b = 0; b < c::kTermsTraceBlocks; ++b) {
+        const auto* e = &tt[size_t(b) * c::kTermsTraceEvents];
+        if (e[c::kTermsSm]) tb.emplace_back(double(e[c::kTermsEntry]), double(e[c::kTermsDone])), tw.push_back(double(e[c::kTermsWaited]));
+      }
+      double t0 = 1e30, t1 = 0;
+      for (const auto* v : {&sb, &tb})
+        for (auto [a, b] : *v) t0 = std::min(t0, a), t1 = std::max(t1, b);
+      const auto us = [&](double v) { return (v - t0) * 1e-3; };
+      const auto pick = [&](const std::vector<std::pair<double, double>>& v, bool end, int q) {  // q: 0 min, 1 median, 2 max
+        if (v.empty()) return -1.0;
+        std::vector<double> x;
+        for (auto [a, b] : v) x.push_back(us(end ? b : a));
+        std::sort(x.begin(), x.end());
+        return q == 0 ? x.front() : q == 1 ? x[x.size() / 2] : x.back();
+      };
+      stat[0].push_back(us(t1));
+      for (int q = 0; q < 3; ++q) {
+        stat[1 + q].push_back(pick(sb, false, q)), stat[4 + q].push_back(pick(sb, true, q));
+        stat[7 + q].push_back(pick(tb, false, q)), stat[10 + q].push_back(pick(tb, true, q));
+      }
+      std::vector<std::pair<double, double>> w;
+      for (double v : tw) w.emplace_back(v, v);
+      stat[13].push_back(pick(w, false, 1));
+      nstream = int(sb.size()), nterms = int(tb.size());
+      last_s.clear(), last_t.clear();
+      for (auto [a, b] : sb) last_s.emplace_back(us(a), us(b));
+      for (auto [a, b] : tb) last_t.emplace_back(us(a), us(b));
+    }
+    const auto m = [&](int i) { return median(stat[size_t(i)]); };
+    std::printf("%-12s route trace %-36s span %.2f us; stream base (%d blocks) entries %.2f / %.2f / %.2f, ends %.2f / "
+                "%.2f / %.2f; terms (%d blocks) entries %.2f / %.2f / %.2f, past the wait (median) %.2f, ends %.2f / "
+                "%.2f / %.2f (first / median / last)\n",
+                shape.c_str(), name, m(0), nstream, m(1), m(2), m(3), m(4), m(5), m(6), nterms, m(7), m(8), m(9), m(13),
+                m(10), m(11), m(12));
+    const auto profile = [&](const char* what, const std::vector<std::pair<double, double>>& v) {
+      std::printf("%-12s   %-36s %s resident per us:", shape.c_str(), name, what);
+      for (double t = 0; t < m(0) + 0.5; t += 1.0) {
+        int n = 0;
+        for (auto [a, b] : v) n += a <= t + 0.5 && t + 0.5 < b;
+        std::printf(" %d", n);
+      }
+      std::printf("\n");
+    };
+    profile("stream base blocks", last_s);
+    profile("terms blocks", last_t);
+  }
+}
+#endif
+
 // profile_only: cases (a) and (b) only, few reps (for ncu); prefill_only: case (c) only (with
 // profile_only too: cuBLAS and the fused GEMM, few reps).
 constexpr auto kRegisters = bcuda::DecodeKernel::kRegisters, kStream = bcuda::DecodeKernel::kStream,
@@ -339,7 +415,7 @@ void cublas_base(bcuda::PrefillLinear& prefill, const bf16* w, int N, int K, con
 void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
                  bool profile_only = false, bool prefill_only = false, int prefill_rows = 512,
                  bool few_rows_only = false, bool one_row_only = false, bool many_only = false,
-                 bool trace_only = false, bool c_only = false) {
+                 int trace_only = 0, bool c_only = false) {
   const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
   const int kVariants = 16, kPrefillRows = prefill_rows;
   const std::string c_rows = "c: " + std::to_string(kPrefillRows) + " rows";
@@ -626,6 +702,28 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     }
   }
   if (one_row_only) return;
+  if (trace_only == 2) {  // --route-trace: (b)'s route, its two branches on one timeline
+#ifdef BITDELTA_STREAM_TRACE
+    route_trace(shape, [&](int l, int parts) {
+      side_by_side(l * 20, [&](int s) {
+        std::vector<DeltaRef> d(kVariants);
+        for (int v = 0; v < kVariants; ++v) d[size_t(v)] = delta(s, v);
+        return d;
+      }, false, 20, parts);
+    }, {{kBoth | kStreamBase, "stream base | terms"},
+        {kBoth | kStreamBase | kBaseFirst, "stream base first | terms"},
+        {kBoth | kStreamBase | kXqBefore, "stream base | terms, xq before"},
+        {kBoth | kStreamBase | 64 << kBlocksShift, "stream base 64 blocks | terms"},
+        {kBoth | kStreamBase | kBaseFirst | 64 << kBlocksShift, "stream base 64 blocks first | terms"},
+        {kBoth, "cuBLAS | terms (route)"},
+        {kBoth | kXqBefore, "cuBLAS | terms, xq before"},
+        {kTermsAlone, "terms alone"},
+        {kBaseAlone | kStreamBase, "stream base alone"}});
+#else
+    std::printf("%-12s route trace: build with -DBITDELTA_STREAM_TRACE=ON (CMake) for the timeline\n", shape.c_str());
+#endif
+    return;
+  }
   if (trace_only) {  // --stream-trace: the streaming kernel's timeline at 16 rows (16 variants, none) and 32 rows
     // x quantized before (by an earlier launch: the kernel's own quantization off), for 16 and 32 rows.
     DeviceMem xq16(bcuda::quantized_x_bytes(kVariants, K)), xq32(bcuda::quantized_x_bytes(32, K));
@@ -1268,12 +1366,13 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "--quick") shapes.resize(1);
-    if (mode == "--stream-trace") {  // [N K ...], default the five shapes
+    if (mode == "--stream-trace" || mode == "--route-trace") {  // [N K ...], default the five shapes
       if (argc > 3) {
         shapes.clear();
         for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
       }
-      for (auto [N, K] : shapes) bench_shape(rnd, prefill, N, K, false, false, 512, false, false, true, true);
+      for (auto [N, K] : shapes)
+        bench_shape(rnd, prefill, N, K, false, false, 512, false, false, true, mode == "--stream-trace" ? 1 : 2);
       return 0;
     }
     if ((mode == "--one-row" || mode == "--many-variants") && argc > 3) {  // [N K ...]: those shapes

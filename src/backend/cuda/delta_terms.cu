@@ -12,6 +12,18 @@
 namespace bitdelta::cuda {
 namespace {
 
+#ifdef BITDELTA_STREAM_TRACE
+__device__ unsigned long long g_terms_trace[kTermsTraceBlocks * kTermsTraceEvents];
+__device__ __forceinline__ void terms_trace_now(int event) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  if (threadIdx.x == 0 && blockIdx.x < kTermsTraceBlocks) g_terms_trace[blockIdx.x * kTermsTraceEvents + event] = t;
+}
+#define TERMS_TRACE(event) terms_trace_now(event)
+#else
+#define TERMS_TRACE(event)
+#endif
+
 constexpr int kWarps = 8;
 constexpr int kCols = 2;  // 256-column blocks per load batch: groups × kCols sign fragments in flight
 // Per slot rows RS: the row groups (16 output rows) a warp takes, and the blocks per multiprocessor
@@ -48,6 +60,14 @@ struct TermParams {
 template <int RS, int kOuts>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel(const TermParams p) {
   pdl_launch_dependents();  // launch.cuh
+  TERMS_TRACE(kTermsEntry);
+#ifdef BITDELTA_STREAM_TRACE
+  if (threadIdx.x == 0 && blockIdx.x < kTermsTraceBlocks) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
+    g_terms_trace[blockIdx.x * kTermsTraceEvents + kTermsSm] = smid + 1ull;
+  }
+#endif
   constexpr int kGroups = kGroupsOf<RS>;
   constexpr int kSetOut = kGroups * RS * 16;         // outputs of a set of kGroups row groups
   __shared__ float part[kWarps][kSetOut];            // per warp: [group][slot row][row of the group]
@@ -120,6 +140,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel
 #pragma unroll
     for (int u = 0; u < kGroups; ++u) load_signs(kb0, u);
   pdl_wait();  // x's quantized rows and y come from the launches before
+  TERMS_TRACE(kTermsWaited);
   float* out[kOuts];
 #pragma unroll
   for (int o = 0; o < kOuts; ++o) {
@@ -176,9 +197,21 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel
       for (int w = 0; w < p.wk; ++w) v += part[eset[o] * p.wk + w][e[o]];
       *out[o] = y0[o] + al[o] * (2.0f * v - sq[ei[o]]);
     }
+  TERMS_TRACE(kTermsDone);
 }
 
 }  // namespace
+
+#ifdef BITDELTA_STREAM_TRACE
+std::vector<unsigned long long> terms_trace_take() {
+  std::vector<unsigned long long> v(size_t(kTermsTraceBlocks) * kTermsTraceEvents);
+  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+  BITDELTA_CUDA_CHECK(cudaMemcpyFromSymbol(v.data(), g_terms_trace, v.size() * sizeof(v[0])));
+  const std::vector<unsigned long long> zero(v.size(), 0);
+  BITDELTA_CUDA_CHECK(cudaMemcpyToSymbol(g_terms_trace, zero.data(), zero.size() * sizeof(zero[0])));
+  return v;
+}
+#endif
 
 void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const DeltaRef> deltas, float* y,
                  cudaStream_t stream, bool store) {

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "bitdelta/delta_ref.h"
 
@@ -36,5 +37,14 @@ namespace bitdelta::cuda {
 // read) and the others left as they are.
 void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const DeltaRef> deltas, float* y,
                  cudaStream_t stream, bool store = false);
+
+#ifdef BITDELTA_STREAM_TRACE
+// The timeline of the last launches (the diagnostic build of fused_linear_stream.cuh's trace): per block
+// (up to kTermsTraceBlocks) kTermsTraceEvents words, %globaltimer ns, each launch's blocks overwriting
+// what they record; zeroed after the read (which synchronizes the device).
+constexpr int kTermsTraceBlocks = 4096, kTermsTraceEvents = 4;
+enum TermsTraceEvent { kTermsEntry = 0, kTermsWaited = 1, kTermsDone = 2, kTermsSm = 3 };  // kTermsSm: SM id + 1
+std::vector<unsigned long long> terms_trace_take();
+#endif
 
 }  // namespace bitdelta::cuda
