@@ -278,7 +278,7 @@ void route_trace(const std::string& shape, const std::function<void(int, int)>& 
     for (int l = 0; l < 4; ++l) run(l, parts);
     c::stream_trace_take();
     c::terms_trace_take();
-    std::vector<std::vector<double>> stat(16);
+    std::vector<std::vector<double>> stat(14);
     std::vector<std::pair<double, double>> last_s, last_t;
     int nstream = 0, nterms = 0;
     for (int l = 0; l < kTraceLaunches; ++l) {
@@ -310,9 +310,9 @@ void route_trace(const std::string& shape, const std::function<void(int, int)>& 
         stat[1 + q].push_back(pick(sb, false, q)), stat[4 + q].push_back(pick(sb, true, q));
         stat[7 + q].push_back(pick(tb, false, q)), stat[10 + q].push_back(pick(tb, true, q));
       }
-      std::vector<std::pair<double, double>> w;
-      for (double v : tw) w.emplace_back(v, v);
-      stat[13].push_back(pick(w, false, 1));
+      std::vector<double> waited;
+      for (double v : tw) waited.push_back(us(v));
+      stat[13].push_back(waited.empty() ? -1.0 : median(waited));
       nstream = int(sb.size()), nterms = int(tb.size());
       last_s.clear(), last_t.clear();
       for (auto [a, b] : sb) last_s.emplace_back(us(a), us(b));

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "block_trace.cuh"
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
 #include "fused_linear_decode.cuh"
@@ -14,12 +15,10 @@ namespace {
 
 #ifdef BITDELTA_STREAM_TRACE
 __device__ unsigned long long g_terms_trace[kTermsTraceBlocks * kTermsTraceEvents];
-__device__ __forceinline__ void terms_trace_now(int event) {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  if (threadIdx.x == 0 && blockIdx.x < kTermsTraceBlocks) g_terms_trace[blockIdx.x * kTermsTraceEvents + event] = t;
+__device__ __forceinline__ void terms_trace_at(int event, unsigned long long value) {
+  if (threadIdx.x == 0 && blockIdx.x < kTermsTraceBlocks) g_terms_trace[blockIdx.x * kTermsTraceEvents + event] = value;
 }
-#define TERMS_TRACE(event) terms_trace_now(event)
+#define TERMS_TRACE(event) terms_trace_at(event, trace_clock())
 #else
 #define TERMS_TRACE(event)
 #endif
@@ -62,11 +61,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel
   pdl_launch_dependents();  // launch.cuh
   TERMS_TRACE(kTermsEntry);
 #ifdef BITDELTA_STREAM_TRACE
-  if (threadIdx.x == 0 && blockIdx.x < kTermsTraceBlocks) {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
-    g_terms_trace[blockIdx.x * kTermsTraceEvents + kTermsSm] = smid + 1ull;
-  }
+  terms_trace_at(kTermsSm, trace_sm());
 #endif
   constexpr int kGroups = kGroupsOf<RS>;
   constexpr int kSetOut = kGroups * RS * 16;         // outputs of a set of kGroups row groups
@@ -204,12 +199,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksOf<RS>) delta_terms_kernel
 
 #ifdef BITDELTA_STREAM_TRACE
 std::vector<unsigned long long> terms_trace_take() {
-  std::vector<unsigned long long> v(size_t(kTermsTraceBlocks) * kTermsTraceEvents);
-  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
-  BITDELTA_CUDA_CHECK(cudaMemcpyFromSymbol(v.data(), g_terms_trace, v.size() * sizeof(v[0])));
-  const std::vector<unsigned long long> zero(v.size(), 0);
-  BITDELTA_CUDA_CHECK(cudaMemcpyToSymbol(g_terms_trace, zero.data(), zero.size() * sizeof(zero[0])));
-  return v;
+  return take_trace(g_terms_trace, size_t(kTermsTraceBlocks) * kTermsTraceEvents);
 }
 #endif
 

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <tuple>
 
+#include "block_trace.cuh"
 #include "cuda_check.cuh"
 #include "delta_b1.cuh"
 #include "fused_linear_decode.cuh"
@@ -73,11 +74,7 @@ __device__ unsigned long long g_stream_trace[kTraceBlocks * kTraceEvents];
 __device__ __forceinline__ void trace_at(int event, unsigned long long value) {
   if (blockIdx.x < kTraceBlocks) g_stream_trace[blockIdx.x * kTraceEvents + event] = value;
 }
-__device__ __forceinline__ void trace_now(int event) {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  trace_at(event, t);
-}
+__device__ __forceinline__ void trace_now(int event) { trace_at(event, trace_clock()); }
 #define STREAM_TRACE(cond, event) \
   if (cond) trace_now(event)
 #else
@@ -172,11 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1) stream_kernel(const __grid_consta
   pdl_launch_dependents();  // launch.cuh: the next kernel may start; this one waits below
   STREAM_TRACE(threadIdx.x == 0, kTraceEntry);
 #ifdef BITDELTA_STREAM_TRACE
-  if (threadIdx.x == 0) {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
-    trace_at(kTraceSm, smid + 1ull);
-  }
+  if (threadIdx.x == 0) trace_at(kTraceSm, trace_sm());
 #endif
   constexpr int kXStage = 4 * BN * 128;
   extern __shared__ uint8_t smem_raw[];
@@ -642,12 +635,7 @@ Grid choose_grid(int tiles, int KB, int sms, int blocks) {
 
 #ifdef BITDELTA_STREAM_TRACE
 std::vector<unsigned long long> stream_trace_take() {
-  std::vector<unsigned long long> v(size_t(kTraceBlocks) * kTraceEvents);
-  BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
-  BITDELTA_CUDA_CHECK(cudaMemcpyFromSymbol(v.data(), g_stream_trace, v.size() * sizeof(v[0])));
-  const std::vector<unsigned long long> zero(v.size(), 0);
-  BITDELTA_CUDA_CHECK(cudaMemcpyToSymbol(g_stream_trace, zero.data(), zero.size() * sizeof(zero[0])));
-  return v;
+  return take_trace(g_stream_trace, size_t(kTraceBlocks) * kTraceEvents);
 }
 
 namespace {
