@@ -1,6 +1,7 @@
 // End to end on a CUDA device (issue 6): a synthetic model (make_synthetic: DIR/base and
 // DIR/deltas/v*.bitdelta) served with its variants mixed.
 //   bench_gpu_e2e DIR [--prompt 512] [--decode 32] [--batch 32] [--requests 20] [--graphs 1] [--out FILE.json]
+// (--batch takes a list too, 4,8,16,32: the batch-B cases of 4. for each, in one process.)
 // Measures, in this order:
 //   1. the device's copy bandwidth (the roofline), host→device bandwidth from pinned memory, and
 //      the disk's read speed (a delta file dropped from the page cache, then read);
@@ -123,12 +124,13 @@ double read_file_speed(const fs::path& p) {
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
-                 "usage: bench_gpu_e2e DIR [--prompt P] [--decode D] [--batch B] [--requests N] [--graphs 0|1] [--out F] "
+                 "usage: bench_gpu_e2e DIR [--prompt P] [--decode D] [--batch B[,B...]] [--requests N] [--graphs 0|1] [--out F] "
                  "[--profile-case NAME [--profile-what step|prompt]]\n");
     return 2;
   }
   const fs::path dir = argv[1];
-  size_t prompt = 512, decode = 32, batch = 32, requests = 20, graphs = 1;
+  size_t prompt = 512, decode = 32, requests = 20, graphs = 1;
+  std::vector<size_t> batches{32};
   std::string out_path, profile_case, profile_what = "step";
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
@@ -148,10 +150,23 @@ int main(int argc, char** argv) {
       }
       continue;
     }
+    if (k == "--batch") {
+      batches.clear();
+      for (const char* c = argv[i + 1]; *c;) {
+        char* end = nullptr;
+        const size_t b = std::strtoull(c, &end, 10);
+        if (end == c || b == 0 || (*end && *end != ',')) {
+          std::fprintf(stderr, "bench_gpu_e2e: --batch takes sizes > 0 separated by commas, not %s\n", argv[i + 1]);
+          return 2;
+        }
+        batches.push_back(b);
+        c = *end ? end + 1 : end;
+      }
+      continue;
+    }
     const size_t v = std::strtoull(argv[i + 1], nullptr, 10);
     if (k == "--prompt") prompt = v;
     else if (k == "--decode") decode = v;
-    else if (k == "--batch") batch = v;
     else if (k == "--requests") requests = v;
     else if (k == "--graphs") graphs = v;
   }
@@ -255,17 +270,19 @@ int main(int argc, char** argv) {
       std::vector<int> variants;  // one sequence each
     };
     const int v0 = model.find_variant("v0");
-    std::vector<int> mixed, base_b, one_b;
-    for (size_t i = 0; i < batch; ++i) {
-      mixed.push_back(v0 + int(i % nv));
-      base_b.push_back(0);
-      one_b.push_back(v0);
+    std::vector<DecodeCase> cases{{"batch 1, base", {0}}, {"batch 1, one variant", {v0}}};
+    for (size_t batch : batches) {
+      std::vector<int> mixed, base_b, one_b;
+      for (size_t i = 0; i < batch; ++i) {
+        mixed.push_back(v0 + int(i % nv));
+        base_b.push_back(0);
+        one_b.push_back(v0);
+      }
+      const std::string b = "batch " + std::to_string(batch);
+      cases.push_back({b + ", base", base_b});
+      cases.push_back({b + ", one variant", one_b});
+      cases.push_back({b + ", " + std::to_string(nv) + " variants mixed", mixed});
     }
-    std::vector<DecodeCase> cases{{"batch 1, base", {0}},
-                                  {"batch 1, one variant", {v0}},
-                                  {"batch " + std::to_string(batch) + ", base", base_b},
-                                  {"batch " + std::to_string(batch) + ", one variant", one_b},
-                                  {"batch " + std::to_string(batch) + ", " + std::to_string(nv) + " variants mixed", mixed}};
     json dec = json::array();
     for (const auto& cs : cases) {
       const bool profiled = !profile_case.empty() && cs.name.find(profile_case) != std::string::npos;
