@@ -456,14 +456,14 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // dropped, run 352: below).
   // kAfterNorm: the norm that writes the rows' x first (NormedX), the route reading that x; alone, the
   // norm only (no fork or join).
-  // With kStreamBase: (parts >> kFusedShift) & 7, the rows (the first ones, a variant each at 16 rows
-  // of 16) whose delta terms the streaming base computes itself (its fused form), the terms branch the
-  // rest: a lighter side branch, so that the two branches end closer together; kBaseFirst, the base
-  // issued before the terms (the streaming kernel's persistent blocks take their multiprocessors
-  // first); parts >> kBlocksShift, the streaming base's blocks (DecodeOptions::blocks; 0: its rule),
-  // fewer leaving multiprocessors to the terms.
+  // With kStreamBase: kBaseFirst, the base issued before the terms; parts >> kBlocksShift, the
+  // streaming base's blocks (DecodeOptions::blocks; 0: its rule), fewer leaving multiprocessors to
+  // the terms. (Session 55 also had the streaming base take 1, 2 or 4 variants' terms itself beside
+  // the terms of the rest: 1.69-1.78x at 4096², run 376; dropped.)
+  // kEngineBase: the base as the engine's route takes it: where the streaming kernel runs, it on its
+  // own grid, else cuBLAS.
   enum Parts { kBoth = 3, kBaseAlone = 1, kTermsAlone = 2, kStreamBase = 4, kXqBefore = 8, kAfterNorm = 16 };
-  constexpr int kFusedShift = 5, kBaseFirst = 256, kBlocksShift = 9;
+  constexpr int kBaseFirst = 256, kBlocksShift = 9, kEngineBase = 1 << 20;
   DeviceMem xq16(bcuda::quantized_x_bytes(kVariants, K));
   bcuda::quantize_x(X, kVariants, K, static_cast<uint8_t*>(xq16.ptr), nullptr, true);
   const auto route = [&](int s, std::span<const DeltaRef> d, bool add, cudaStream_t st, int parts) {
@@ -475,21 +475,20 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       if ((parts & kBoth) == 0) return;
     }
     auto* terms = static_cast<float*>(yd.ptr);
-    std::vector<DeltaRef> side(d.begin(), d.end()), fused(static_cast<size_t>(rows));
-    for (int r = 0; r < std::min(rows, (parts >> kFusedShift) & 7); ++r)
-      fused[size_t(r)] = d[size_t(r)], side[size_t(r)] = {};
+    const std::vector<DeltaRef> none(static_cast<size_t>(rows));
     const auto base = [&] {
       bcuda::DecodeOptions o{0, 0, kStream};
-      o.blocks = parts >> kBlocksShift;
-      if ((parts & kBaseAlone) && (parts & kStreamBase))
-        bcuda::fused_linear_decode(W(s), N, K, xin, rows, fused, Y, st, o);
+      const bool stream_base = (parts & kStreamBase) || ((parts & kEngineBase) && stream_runs);
+      o.blocks = (parts & ~kEngineBase) >> kBlocksShift;
+      if ((parts & kBaseAlone) && stream_base)
+        bcuda::fused_linear_decode(W(s), N, K, xin, rows, none, Y, st, o);
       else if (parts & kBaseAlone)
         prefill.run(bcuda::PrefillMethod::kBaseOnly, W(s), N, K, xin, rows, DeltaRef{}, Y);
     };
     beside.fork(st, terms, size_t(rows) * N);
     if (parts & kBaseFirst) base();
     if (parts & kTermsAlone)
-      beside.add_terms(W(s), N, K, xin, rows, side, terms,
+      beside.add_terms(W(s), N, K, xin, rows, d, terms,
                        (parts & kXqBefore) ? static_cast<const uint8_t*>(xq16.ptr) : nullptr);
     if (!(parts & kBaseFirst)) base();
     beside.join(st);
@@ -865,33 +864,27 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
              parts == kTermsAlone ? bytes - double(wbytes) : (parts & kTermsAlone) ? bytes : double(wbytes), roof,
              "x roofline"});
       }
-      // The route with x quantized before, and with the streaming kernel as its base too (a launch
-      // that starts early, unlike cuBLAS's), against the engine's route, alternated twice; and its
-      // terms alone with x quantized before. (At 4096² these forms meet (b), 1.24× against the
-      // route's 1.30 in run 352, but in the 7B mixed steps the norms and SwiGLU writing x quantized
-      // made the step slower, 8.78 → 9.40 ms at batch 16, and the streaming base was level: the
-      // engine takes neither. Runs 351-352 name these rows "AB route, ...".)
-      // Then the streaming base beside the terms: as above; taking 1, 2 or 4 variants' terms itself
-      // (kFusedShift); issued first (kBaseFirst); on 64 or 32 blocks (kBlocksShift).
+      // The engine's route (kEngineBase) alternated twice with: cuBLAS as its base (the engine's
+      // until session 56), the streaming base on its own grid and on 64 blocks, and x quantized
+      // before with cuBLAS or the streaming base as the base (at 4096² these met (b), 1.24× in run
+      // 352, but in the 7B mixed steps the norms and SwiGLU writing x quantized made the step slower,
+      // 8.78 → 9.40 ms at batch 16: dropped). Session 55's other forms (the base issued first, on 32
+      // blocks; runs 376 and 378) are slower at 4096² and 11008x4096, and are left out.
       constexpr int kSB = kBoth | kStreamBase;
       for (int round = 0; round < 2; ++round)
-        for (int parts : {int(kBoth), kBoth | kXqBefore, kSB | kXqBefore, kSB, kSB | 1 << kFusedShift,
-                          kSB | 2 << kFusedShift, kSB | 4 << kFusedShift, kSB | kBaseFirst,
-                          kSB | kBaseFirst | 64 << kBlocksShift, kSB | kBaseFirst | 32 << kBlocksShift,
-                          kSB | 64 << kBlocksShift}) {
+        for (int parts : {kBoth | kEngineBase, int(kBoth), kSB, kSB | 64 << kBlocksShift, kBoth | kXqBefore,
+                          kSB | kXqBefore}) {
           if ((parts & kStreamBase) && !stream_runs) continue;
           const double ts = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, parts); }, reps) / 20;
-          const int fused = (parts >> kFusedShift) & 7, blocks = parts >> kBlocksShift;
-          std::string name = parts == kBoth                ? "route, folded, graph of 20"
-                             : (parts & kStreamBase) == 0 ? "route, folded, graph of 20, x quantized before"
+          const int blocks = parts >> kBlocksShift;
+          std::string name = parts == (kBoth | kEngineBase) ? "route, folded, graph of 20"
+                             : parts == kBoth               ? "cuBLAS | terms, folded, graph of 20, alternated"
+                             : (parts & kStreamBase) == 0   ? "route, folded, graph of 20, x quantized before"
                              : (parts & kXqBefore) ? "route, folded, graph of 20, x quantized before, stream base"
                                                    : "stream base";
           if ((parts & kStreamBase) && !(parts & kXqBefore)) {
-            if (fused) name += " with " + std::to_string(fused) + " variants' terms";
             if (blocks) name += " on " + std::to_string(blocks) + " blocks";
-            name += (parts & kBaseFirst) ? " first | terms" : " | terms";
-            if (fused) name += " of " + std::to_string(kVariants - fused);
-            name += ", graph of 20";
+            name += " | terms, graph of 20";
           }
           add({shape, "b: 16 rows 16 variants", name, ts, bytes, roof, "x roofline"});
         }
@@ -905,7 +898,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                      // 20 (norm, route) pairs less graphs of 20 norms alone.
         const double tn = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, kAfterNorm); }, reps) / 20;
         const double tp =
-            time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, kBoth | kAfterNorm); }, reps) / 20;
+            time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, kBoth | kAfterNorm | kEngineBase); }, reps) / 20;
         add({shape, "b: norm", "add_rmsnorm alone (16 rows), graph of 20", tn, kVariants * K * 6.0, 0, ""});
         add({shape, "b: 16 rows 16 variants", "route, after a norm, graph of 20 pairs less the norms", tp - tn, bytes,
              roof, "x roofline"});

@@ -1,11 +1,12 @@
-// A linear's delta terms on a second stream beside its base's GEMM on the first: the route of a
-// decode step's rows gathered from several variants of one weight (device_model.cu, linear()), and
-// the same calls timed by bench_cuda_fused_linear ("cuBLAS | delta terms"). The GEMM reads W once
-// for all the rows while the terms read each variant's signs once (delta_terms.cuh); side by side
-// the two reads overlap (bench/cuda/NOTES.md, part 40).
+// A linear's delta terms on a second stream beside its base on the first: the route of a decode
+// step's rows gathered from several variants of one weight (device_model.cu, linear()), and the
+// same calls timed by bench_cuda_fused_linear ("route"). The base (the streaming kernel with no
+// delta where it runs, else cuBLAS) reads W once for all the rows while the terms read each
+// variant's signs once (delta_terms.cuh); side by side the two reads overlap (bench/cuda/NOTES.md,
+// parts 40 and 55-56).
 //
 // One use, on the caller's stream s:  fork(s, terms, n);  add_terms(...) for each run of rows;
-// the GEMM on s;  join(s);  then y + terms, either added (ops.cuh add_to) or read as a second
+// the base on s;  join(s);  then y + terms, either added (ops.cuh add_to) or read as a second
 // addend by the kernel that consumes y (add_rmsnorm, bias_rope_store, swiglu). Captured into a
 // CUDA graph, the fork and the join become the graph's edges.
 //

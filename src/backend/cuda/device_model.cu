@@ -81,8 +81,9 @@ constexpr size_t kWeffRows = 2, kPortableGemmRowsAlone = 25, kPortableGemmRowsAl
 // NOTES.md part 34) 6.62 / 6.65 → 6.56 / 6.56 ms.
 constexpr size_t kDeltaTermsRows = 3;
 // Where the streaming kernel runs, gathered rows with a delta among them take that route too, from
-// the same kDeltaTermsRows (the base's GEMM and the delta terms side by side on two streams since
-// part 40: linear() below); rows of the base alone keep the streaming kernel up to 32.
+// the same kDeltaTermsRows (the base and the delta terms side by side on two streams since part 40:
+// linear() below; the base through cuBLAS until part 56, since then through the streaming kernel
+// with no delta); rows of the base alone keep the streaming kernel up to 32.
 // Until part 38 rows past 32 went in 32-row chunks, each reading W again (run 327: batch 48 18.94 /
 // 19.09 → 16.32 / 16.20 ms, 64 20.88 / 20.84 → 19.35 / 19.19 on the normal build); until part 40 the
 // streaming kernel took up to 32 gathered rows in one launch. The 7B mixed step of 14 variants, the
@@ -125,7 +126,7 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // The device and the compute stream; everything allocated is freed in stream order on it, so a
 // buffer dropped between steps is reused only after the steps that read it.
-// `beside`: a second stream for a linear's delta terms beside its base's GEMM within a step
+// `beside`: a second stream for a linear's delta terms beside its base within a step
 // (delta_terms_beside.cuh), forked from the compute stream and joined back.
 struct Context {
   int device = 0;
@@ -593,8 +594,9 @@ struct DeviceModel::Impl {
   // through a GEMM (cuBLAS for the base, the fused GEMM for a delta), the others through the fused decode
   // kernel, up to 32 rows (of any variants) per call, which reads the base once per launch (the
   // streaming kernel takes all 32 in one; elsewhere, the register kernel takes fewer than
-  // kDeltaTermsRows). From kDeltaTermsRows rows with a delta among them, cuBLAS takes the base and,
-  // beside it on the side stream, launches of up to 32 rows the delta terms.
+  // kDeltaTermsRows). From kDeltaTermsRows rows with a delta among them, one launch takes the base
+  // of all of them (the streaming kernel with no delta where it runs, else cuBLAS) and, beside it on
+  // the side stream, launches of up to 32 rows the delta terms.
   // Those terms go to a buffer of their own, [rows, N], zeros but for the gathered rows. With
   // `terms` the caller takes it apart (*terms, or null where no row took that route) and the kernel
   // that consumes y adds it as it reads y; without, y += it here (ops.cuh add_to). The buffer is
@@ -643,13 +645,13 @@ struct DeviceModel::Impl {
       for (size_t i = a; i < b; ++i) any_delta = any_delta || lin[i]->delta.signs != nullptr;
       // (Rows of the base alone keep the streaming kernel where it runs; elsewhere the GEMM alone.)
       if (b - a >= kDeltaTermsRows && (any_delta || !streams)) {
-        // The base of all of them through one GEMM (W read once), and beside it, on the side stream,
+        // The base of all of them in one launch (W read once), and beside it, on the side stream,
         // their delta terms into the buffer above by launches of up to 32 rows that each read their
         // variants' signs once, not W (delta_terms_beside.cuh); y and the terms meet after both
         // (above). Without the streaming kernel, against the register kernel: each of its
         // launches of 16 rows reads W again, and its delta slots are latency-bound (NOTES.md, parts
         // 29 and 33). With it, against its one launch of up to 32 rows (above, kDeltaTermsRows).
-        // Side by side the GEMM's reads of W and the terms' of the signs overlap:
+        // Side by side the base's reads of W and the terms' of the signs overlap:
         // the 7B mixed step of 14 variants against the GEMM and then the terms on one stream (run
         // 340, alternated twice, NOTES.md part 40): compute_80 build batch 8 7.46 / 7.50 → 6.78 /
         // 6.74 ms, 16 9.96 / 9.92 → 9.14 / 9.16, 32 12.22 / 12.00 → 11.57 / 11.46; normal build
@@ -666,8 +668,22 @@ struct DeviceModel::Impl {
           ctx->beside->add_terms(lin[a]->w, N, K, xin + a * size_t(K), int(b - a), deltas, t + a * size_t(N));
           t_lo = std::min(t_lo, a), t_hi = std::max(t_hi, b);
         }
-        prefill->run(PrefillMethod::kBaseOnly, lin[a]->w, N, K, xin + a * size_t(K), int(b - a), DeltaRef{},
-                     y + a * size_t(N));
+        // The base: where the streaming kernel runs, it with no delta (up to 32 rows), else cuBLAS. The
+        // 7B mixed step of 14 variants (run 382, H100, 4 rounds alternated, medians), cuBLAS against
+        // the streaming kernel: batch 4 7.445 → 6.89 ms, 8 8.70 → 8.40, 16 11.565 → 11.195, 32 13.85 →
+        // 13.72. On its own grid: on half or three quarters of the multiprocessors, leaving the rest to
+        // the terms (the two kernels can't share one: run 378), it was 3-7% slower at batch 4, level to
+        // 1.3% slower at 8 and 16, 1% faster at 32 (bench/cuda/NOTES.md, part 56).
+        if (streams && b - a <= kDecodeRows) {
+          deltas.assign(b - a, DeltaRef{});
+          DecodeOptions o;
+          o.kernel = DecodeKernel::kStream;
+          fused_linear_decode(lin[a]->w, N, K, xin + a * size_t(K), int(b - a), deltas, y + a * size_t(N), ctx->stream,
+                              o);
+        } else {
+          prefill->run(PrefillMethod::kBaseOnly, lin[a]->w, N, K, xin + a * size_t(K), int(b - a), DeltaRef{},
+                       y + a * size_t(N));
+        }
         a = b;
         continue;
       }
