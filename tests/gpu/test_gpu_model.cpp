@@ -232,8 +232,8 @@ TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
   check_mixed_step(gpu, cpu, plans);
 }
 
-// Decode steps of 3 to 32 rows of several variants, which take the base (cuBLAS) beside the delta
-// terms (a second stream) for all their rows; the consumers of each linear add its terms as they
+// Decode steps of 3 to 32 rows of several variants, which take the base (the streaming kernel with no
+// delta on sm_90a, else cuBLAS) beside the delta terms (a second stream) for all their rows; the consumers of each linear add its terms as they
 // read it. With the base's rows among them and without, α per row and per tensor.
 TEST_F(GpuModel, MixedDecodeStepsOfFewRowsMatchTheCpu) {
   for (AlphaMode mode : {AlphaMode::Row, AlphaMode::Tensor}) {
@@ -254,7 +254,7 @@ TEST_F(GpuModel, MixedDecodeStepsOfFewRowsMatchTheCpu) {
 
 // Decode steps replayed as CUDA graphs (a batch that stays is captured on its second step) give the
 // logits of the same steps launched kernel by kernel, for every kind of step: one row (the one-row
-// kernel), many rows of many variants (the streaming kernel, which quantizes x itself), a few and
+// kernel), many rows of many variants (the base beside the delta terms on a second stream), a few and
 // many rows of one variant (W_eff formed in the streaming kernel up to 32 rows, the fused GEMM past
 // them) and of the base (the streaming kernel, cuBLAS past 32 rows); and after a variant is dropped
 // and another installed (the graphs captured before address the old buffers and must not run).
