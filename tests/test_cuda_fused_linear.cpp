@@ -627,6 +627,13 @@ int main() {
       check_case(rng, 8645, 2048, rows16, 7, true);
       check_case(rng, 8645, 2048, {1, 0, 1}, 2, false);
     }
+    // 16 rows of 16 variants at 4096²: the delta terms' 16 single-row slots in two waves of blocks at
+    // 4 warps along K, so on 132 multiprocessors in one at 2 (delta_terms.cu's estimate).
+    {
+      std::vector<int> sixteen(16);
+      for (int r = 0; r < 16; ++r) sixteen[r] = r;
+      check_case(rng, 4096, 4096, sixteen, 16, true);
+    }
     // One row on more 16-row tiles than an H200 runs blocks at once (2 × 132): the balanced grid
     // cuts tiles between blocks (aligned K; K not a multiple of 64; about one tile per block).
     for (bool per_row : {true, false}) {

@@ -897,8 +897,8 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       if (normed) {  // The step's form: each route after the norm that writes its 16 rows of x, graphs of
                      // 20 (norm, route) pairs less graphs of 20 norms alone.
         const double tn = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, kAfterNorm); }, reps) / 20;
-        const double tp =
-            time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, kBoth | kAfterNorm | kEngineBase); }, reps) / 20;
+        const int route_after_norm = kBoth | kAfterNorm | kEngineBase;
+        const double tp = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, route_after_norm); }, reps) / 20;
         add({shape, "b: norm", "add_rmsnorm alone (16 rows), graph of 20", tn, kVariants * K * 6.0, 0, ""});
         add({shape, "b: 16 rows 16 variants", "route, after a norm, graph of 20 pairs less the norms", tp - tn, bytes,
              roof, "x roofline"});

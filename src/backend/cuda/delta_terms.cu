@@ -240,17 +240,22 @@ void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const Delt
       for (int i = 0; i < s.n; ++i) s.row[i] = by_variant[v][a + size_t(i)];
     }
   // Warps along K (2, 4 or 8; 8 / wk sets of row groups per block): the fewest that leave each warp
-  // at most 4 blocks of 256 columns (2 load batches) and whose sets' outputs fit the block's threads,
-  // one each. Pairs of slot rows may then take half as many, 8 blocks per warp and two outputs per
-  // thread, where that is estimated no slower: the estimate is the waves of blocks (kBlocksOf per
-  // multiprocessor) times the load batches per warp. Longer K ranges spread each warp's start and
-  // end (more than half of its instructions at 2 batches: run 332's SASS counts) over more work,
-  // but half as many blocks may leave the last wave short: run 333, with 2 warps along K wherever
-  // K = 4096, had 4096² with 18 slots (288 blocks for 264 block slots) 1-5% slower. With this
-  // estimate (run 334, normal build, 32 rows, the delta terms alone against 4 warps along K): 7-10%
-  // less time at 11008 × 4096 and 22016 × 4096 with 7 or 14 variants, 10-15% at 4096², 11008 × 4096
-  // and 12288 × 4096 with 4 (the compute_80 build 8-10%), level where it keeps 4. Single-row slots
-  // keep 4 blocks per warp (part 35 measured 8: mixed).
+  // at most 4 blocks of 256 columns (2 load batches) and whose sets' outputs fit the block's
+  // threads, one each. Slots may then take half as many, 8 blocks per warp (with pairs of slot rows
+  // two outputs per thread), where that is estimated no slower: the estimate is the waves of blocks
+  // (kBlocksOf per multiprocessor) times the load batches per warp. Longer K ranges spread each
+  // warp's start and end (more than half of its instructions at 2 batches: run 332's SASS counts)
+  // over more work, but half as many blocks may leave the last wave short: run 333, with 2 warps
+  // along K wherever K = 4096, had 4096² with 18 slots (288 blocks for 264 block slots) 1-5%
+  // slower. With this estimate (run 334, normal build, 32 rows, the delta terms alone against 4
+  // warps along K): 7-10% less time at 11008 × 4096 and 22016 × 4096 with 7 or 14 variants, 10-15%
+  // at 4096², 11008 × 4096 and 12288 × 4096 with 4 (the compute_80 build 8-10%), level where it
+  // keeps 4. Single-row slots took it in session 56 (8 blocks per warp for all of them at K = 4096
+  // had been mixed, part 35): run 384 (H100, 16 rows of 16 variants, the route beside the streaming
+  // base, alternated twice) 4096² 26.01-26.07 → 24.85-24.91 µs, 11008 × 4096 63.51-63.55 →
+  // 62.22-62.30, the terms alone 1% slower; the 7B mixed step of 14 variants level at batch 4 to 32
+  // (three rounds). At K = 8192 (4 warps along K instead of 8 where the estimate ties) not yet
+  // measured side by side.
   const int groups = RS == 1 ? kGroupsOf<1> : kGroupsOf<2>;
   const auto row_blocks = [&](int wk) {  // blocks per slot
     const int rows_per_block = 16 * (kWarps / wk * groups);
@@ -259,8 +264,8 @@ void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const Delt
   p.wk = 8;
   for (int wk : {4, 2})
     if (p.KB <= 4 * wk && kWarps / wk * groups * RS * 16 <= kWarps * 32) p.wk = wk;
-  if (const int half = p.wk / 2; RS == 2 && half >= 2 && p.KB <= 8 * half) {
-    const int64_t resident = int64_t(kBlocksOf<2>) * multiprocessors(), KP = (p.KB + 1) / 2;
+  if (const int half = p.wk / 2; half >= 2 && p.KB <= 8 * half) {
+    const int64_t resident = int64_t(RS == 1 ? kBlocksOf<1> : kBlocksOf<2>) * multiprocessors(), KP = (p.KB + 1) / 2;
     const auto cost = [&](int wk) {
       return (int64_t(p.nslots) * row_blocks(wk) + resident - 1) / resident * ((KP + wk - 1) / wk);
     };

@@ -17,8 +17,8 @@
 // come from memory once and from L2 for the others. It is bound by issue and latency at 16 warps per
 // multiprocessor, not by bytes in flight: a ring of cp.async stages and a persistent form were slower
 // (measured: bench/cuda/NOTES.md, parts 33 and 34). At 2 load batches per warp more than half of a
-// warp's instructions are its start and end (part 39), so pairs of slot rows take 4 batches per
-// warp (2 warps along K) where the waves of blocks allow it (delta_terms.cu).
+// warp's instructions are its start and end (part 39), so slots take 4 batches per warp (2 warps
+// along K) where the waves of blocks allow it (delta_terms.cu).
 #pragma once
 
 #include <cuda_runtime.h>
