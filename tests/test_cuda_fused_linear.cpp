@@ -280,6 +280,18 @@ void check_case(std::mt19937& rng, int N, int K, const std::vector<int>& row_var
         ++failures;
         std::printf("FAIL delta only, twice: results differ  %s\n", tag.c_str());
       }
+      for (int wk : {2, 4, 8}) {  // each number of warps along K, where the kernel's estimate chooses one
+        DeviceBuffer<float> dyk(base);
+        o.k_split = wk;
+        bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyk.ptr, nullptr, o);
+        BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
+        expect("delta only wk=" + std::to_string(wk) + "    " + tag, dyk.to_host(), ref, decode_bound);
+      }
+      o.k_split = 3;  // (refused by the terms kernel: only where some row has a delta)
+      if (std::any_of(row_variant.begin(), row_variant.end(), [](int v) { return v >= 0; }))
+        expect_refused("delta only on 3 warps along K", "3 warps along K (2, 4 or 8)",
+                       [&] { bcuda::fused_linear_decode(wb, N, K, xb, rows, dev_refs, dyb.ptr, nullptr, o); });
+      o.k_split = 0;
       o.xq = nullptr;
       o.kernel = DK::kRegisters;
       expect_refused("delta only on a named kernel", "delta_only takes no kernel and no form_weights",

@@ -461,9 +461,10 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   // the terms. (Session 55 also had the streaming base take 1, 2 or 4 variants' terms itself beside
   // the terms of the rest: 1.69-1.78x at 4096², run 376; dropped.)
   // kEngineBase: the base as the engine's route takes it: where the streaming kernel runs, it on its
-  // own grid, else cuBLAS.
+  // own grid, else cuBLAS. parts >> kWkShift: the terms kernel's warps along K (DecodeOptions::k_split;
+  // 0: its estimate).
   enum Parts { kBoth = 3, kBaseAlone = 1, kTermsAlone = 2, kStreamBase = 4, kXqBefore = 8, kAfterNorm = 16 };
-  constexpr int kBaseFirst = 256, kBlocksShift = 9, kEngineBase = 1 << 20;
+  constexpr int kBaseFirst = 256, kBlocksShift = 9, kBlocksMask = 511, kEngineBase = 1 << 20, kWkShift = 21;
   DeviceMem xq16(bcuda::quantized_x_bytes(kVariants, K));
   bcuda::quantize_x(X, kVariants, K, static_cast<uint8_t*>(xq16.ptr), nullptr, true);
   const auto route = [&](int s, std::span<const DeltaRef> d, bool add, cudaStream_t st, int parts) {
@@ -479,7 +480,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     const auto base = [&] {
       bcuda::DecodeOptions o{0, 0, kStream};
       const bool stream_base = (parts & kStreamBase) || ((parts & kEngineBase) && stream_runs);
-      o.blocks = (parts & ~kEngineBase) >> kBlocksShift;
+      o.blocks = (parts >> kBlocksShift) & kBlocksMask;
       if ((parts & kBaseAlone) && stream_base)
         bcuda::fused_linear_decode(W(s), N, K, xin, rows, none, Y, st, o);
       else if (parts & kBaseAlone)
@@ -489,7 +490,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
     if (parts & kBaseFirst) base();
     if (parts & kTermsAlone)
       beside.add_terms(W(s), N, K, xin, rows, d, terms,
-                       (parts & kXqBefore) ? static_cast<const uint8_t*>(xq16.ptr) : nullptr);
+                       (parts & kXqBefore) ? static_cast<const uint8_t*>(xq16.ptr) : nullptr, parts >> kWkShift);
     if (!(parts & kBaseFirst)) base();
     beside.join(st);
     if (add) bcuda::add_to(Y, terms, size_t(rows) * N, st);
@@ -864,20 +865,25 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
              parts == kTermsAlone ? bytes - double(wbytes) : (parts & kTermsAlone) ? bytes : double(wbytes), roof,
              "x roofline"});
       }
-      // The engine's route (kEngineBase) alternated twice with: cuBLAS as its base (the engine's
-      // until session 56), the streaming base on its own grid and on 64 blocks, and x quantized
-      // before with cuBLAS or the streaming base as the base (at 4096² these met (b), 1.24× in run
-      // 352, but in the 7B mixed steps the norms and SwiGLU writing x quantized made the step slower,
-      // 8.78 → 9.40 ms at batch 16: dropped). Session 55's other forms (the base issued first, on 32
-      // blocks; runs 376 and 378) are slower at 4096² and 11008x4096, and are left out.
+      // The engine's route (kEngineBase) alternated twice with: the same with the terms on 4 or 8
+      // warps along K (the estimate's choice for 16 single-row slots is 2 at K = 4096 where their
+      // blocks fill two waves at 4, and 4 at K = 8192 where 4 and 8 tie: session 56, runs 384-385);
+      // cuBLAS as its base (the engine's until session 56); the streaming base on its own grid and on
+      // 64 blocks; and x quantized before with cuBLAS or the streaming base as the base (at 4096² these
+      // met (b), 1.24× in run 352, but in the 7B mixed steps the norms and SwiGLU writing x quantized
+      // made the step slower, 8.78 → 9.40 ms at batch 16: dropped). Session 55's other forms (the base
+      // issued first, on 32 blocks; runs 376 and 378) are slower at 4096² and 11008x4096: left out.
       constexpr int kSB = kBoth | kStreamBase;
       for (int round = 0; round < 2; ++round)
-        for (int parts : {kBoth | kEngineBase, int(kBoth), kSB, kSB | 64 << kBlocksShift, kBoth | kXqBefore,
-                          kSB | kXqBefore}) {
+        for (int parts : {kBoth | kEngineBase, kBoth | kEngineBase | 4 << kWkShift,
+                          kBoth | kEngineBase | 8 << kWkShift, int(kBoth), kSB, kSB | 64 << kBlocksShift,
+                          kBoth | kXqBefore, kSB | kXqBefore}) {
           if ((parts & kStreamBase) && !stream_runs) continue;
           const double ts = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, parts); }, reps) / 20;
-          const int blocks = parts >> kBlocksShift;
+          const int blocks = (parts >> kBlocksShift) & kBlocksMask, wk = parts >> kWkShift;
           std::string name = parts == (kBoth | kEngineBase) ? "route, folded, graph of 20"
+                             : (parts & kEngineBase)
+                                 ? "route, terms on " + std::to_string(wk) + " warps along K, graph of 20"
                              : parts == kBoth               ? "cuBLAS | terms, folded, graph of 20, alternated"
                              : (parts & kStreamBase) == 0   ? "route, folded, graph of 20, x quantized before"
                              : (parts & kXqBefore) ? "route, folded, graph of 20, x quantized before, stream base"

@@ -204,8 +204,10 @@ std::vector<unsigned long long> terms_trace_take() {
 #endif
 
 void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const DeltaRef> deltas, float* y,
-                 cudaStream_t stream, bool store) {
+                 cudaStream_t stream, bool store, int warps_along_k) {
   if (rows < 1 || rows > kMaxDecodeRows) fail("cuda::delta_terms: ", rows, " rows (1..", kMaxDecodeRows, " allowed)");
+  if (warps_along_k != 0 && warps_along_k != 2 && warps_along_k != 4 && warps_along_k != 8)
+    fail("cuda::delta_terms: ", warps_along_k, " warps along K (2, 4 or 8)");
   if (int(deltas.size()) != rows) fail("cuda::delta_terms: ", deltas.size(), " deltas for ", rows, " rows");
   if (N < 1 || K < 1) fail("cuda::delta_terms: empty weight [", N, ", ", K, "]");
   if (reinterpret_cast<uintptr_t>(xq) & 15) fail("cuda::delta_terms: quantized x not 16-byte aligned");
@@ -264,13 +266,14 @@ void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const Delt
   p.wk = 8;
   for (int wk : {4, 2})
     if (p.KB <= 4 * wk && kWarps / wk * groups * RS * 16 <= kWarps * 32) p.wk = wk;
-  if (const int half = p.wk / 2; half >= 2 && p.KB <= 8 * half) {
+  if (const int half = p.wk / 2; !warps_along_k && half >= 2 && p.KB <= 8 * half) {
     const int64_t resident = int64_t(RS == 1 ? kBlocksOf<1> : kBlocksOf<2>) * multiprocessors(), KP = (p.KB + 1) / 2;
     const auto cost = [&](int wk) {
       return (int64_t(p.nslots) * row_blocks(wk) + resident - 1) / resident * ((KP + wk - 1) / wk);
     };
     if (cost(half) <= cost(p.wk)) p.wk = half;
   }
+  if (warps_along_k) p.wk = warps_along_k;
   const int rgs = kWarps / p.wk * groups;  // row groups per block
   const dim3 grid(unsigned(p.nslots * row_blocks(p.wk)));
   if (RS == 1)

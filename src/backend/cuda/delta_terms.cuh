@@ -34,9 +34,10 @@ namespace bitdelta::cuda {
 // xq: the rows quantized by quantize_x in pairs (rows, K; quantize_x(..., pairs = true)); deltas[r]:
 // row r's variant (signs in the packed layout, 16-byte aligned; rows without signs add nothing).
 // y[rows, N] is added to, or with store its rows with a delta are written (the terms alone, y not
-// read) and the others left as they are.
+// read) and the others left as they are. warps_along_k: 2, 4 or 8 per set of row groups; 0 = choose
+// (delta_terms.cu: tests and benchmarks set it).
 void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const DeltaRef> deltas, float* y,
-                 cudaStream_t stream, bool store = false);
+                 cudaStream_t stream, bool store = false, int warps_along_k = 0);
 
 #ifdef BITDELTA_STREAM_TRACE
 // The timeline of the last launches (the diagnostic build of fused_linear_stream.cuh's trace): per block

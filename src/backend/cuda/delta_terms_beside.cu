@@ -28,7 +28,8 @@ void DeltaTermsBeside::fork(cudaStream_t stream, float* terms, size_t n) {
 }
 
 void DeltaTermsBeside::add_terms(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
-                                 std::span<const DeltaRef> deltas, float* terms, const uint8_t* xq) {
+                                 std::span<const DeltaRef> deltas, float* terms, const uint8_t* xq,
+                                 int warps_along_k) {
   if (xq && rows > kMaxDecodeRows)
     fail("cuda::DeltaTermsBeside: x quantized before for ", rows, " rows (at most ", kMaxDecodeRows, ")");
   if (terms < terms_ || terms + size_t(rows) * size_t(N) > terms_ + n_)
@@ -37,6 +38,7 @@ void DeltaTermsBeside::add_terms(const __nv_bfloat16* w, int N, int K, const __n
   o.delta_only = true;
   o.delta_store = true;
   o.xq = xq;
+  o.k_split = warps_along_k;
   for (int r = 0; r < rows; ++r)
     if (deltas[size_t(r)].signs) {
       const size_t at = size_t(terms - terms_) + size_t(r) * size_t(N);

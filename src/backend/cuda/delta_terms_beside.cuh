@@ -46,9 +46,10 @@ class DeltaTermsBeside {
   // delta_only and delta_store; w only names the shape's weight). The rows lie in the forked buffer,
   // and no two calls between a fork and its join take the same row. xq: x's rows quantized before, in
   // pairs (quantize_x's pairs form; then at most kMaxDecodeRows rows), or null: quantized by a
-  // launch on the side stream.
+  // launch on the side stream. warps_along_k: DecodeOptions::k_split (0 = the kernel's choice).
   void add_terms(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, int rows,
-                 std::span<const DeltaRef> deltas, float* terms, const uint8_t* xq = nullptr);
+                 std::span<const DeltaRef> deltas, float* terms, const uint8_t* xq = nullptr,
+                 int warps_along_k = 0);
   // On the side stream the buffer's floats that no add_terms wrote are zeroed; then the work on
   // `stream` from here on waits for the side stream's so far.
   void join(cudaStream_t stream);

@@ -1071,7 +1071,7 @@ void fused_linear_decode(const __nv_bfloat16* w, int N, int K, const __nv_bfloat
       quantize_x(x, rows, K, scratch, stream, true);
       xq = scratch;
     }
-    return delta_terms(xq, rows, N, K, deltas, y, stream, options.delta_store);
+    return delta_terms(xq, rows, N, K, deltas, y, stream, options.delta_store, options.k_split);
   }
   if (options.form_weights) {
     if (options.kernel == DecodeKernel::kBalanced)

@@ -57,8 +57,9 @@ constexpr int kMaxDecodeRows = 32;      // rows of x per call
 constexpr int kRegisterKernelRows = 16;  // rows of x per launch of the register kernel (more: several)
 
 struct DecodeOptions {
-  // kRegisters: warps that share one 16-row tile along K (1, 2, 4 or 8); 0 = choose. (Not used by
-  // the other kernels.)
+  // kRegisters: warps that share one 16-row tile along K (1, 2, 4 or 8); with delta_only, the delta
+  // terms kernel's warps along K per set of row groups (2, 4 or 8); 0 = choose (tests and benchmarks
+  // set it). (Not used by the other kernels.)
   int k_split = 0;
   // kRegisters' slots: 0 = choose; 1 = one per row of x; 4 = one per variant and group of 4 rows
   // (when at most 8).
@@ -81,9 +82,9 @@ struct DecodeOptions {
   bool form_weights = false;
   // y += the rows' delta terms alone, α ⊙ (x·Sᵀ): W is not read and rows without a delta add nothing
   // (delta_terms.cuh: all the rows in one launch, each variant's bits read once, after x's
-  // quantization unless xq passes it). For a base computed apart, by a GEMM that reads W once for all
-  // the rows (where the streaming kernel does not run, from 3 rows of several variants:
-  // device_model.cu). Takes no kernel and no form_weights.
+  // quantization unless xq passes it). For a base computed apart, in one launch that reads W once
+  // for all the rows (the route of 3 to 32 rows of several variants: device_model.cu). Takes no
+  // kernel and no form_weights.
   bool delta_only = false;
   // With delta_only (refused without it): y's rows with a delta get the terms alone (y not read), the
   // others are left as they are (DeltaTermsBeside: its buffer needs no zeroing before).
