@@ -671,9 +671,9 @@ struct DeviceModel::Impl {
         // The base: where the streaming kernel runs, it with no delta (up to 32 rows), else cuBLAS. The
         // 7B mixed step of 14 variants (run 382, H100, 4 rounds alternated, medians), cuBLAS against
         // the streaming kernel: batch 4 7.445 → 6.89 ms, 8 8.70 → 8.40, 16 11.565 → 11.195, 32 13.85 →
-        // 13.72. On its own grid: on half or three quarters of the multiprocessors, leaving the rest to
-        // the terms (the two kernels can't share one: run 378), it was 3-7% slower at batch 4, level to
-        // 1.3% slower at 8 and 16, 1% faster at 32 (bench/cuda/NOTES.md, part 56).
+        // 13.72. It runs on its own grid: on half or three quarters of the multiprocessors, leaving the
+        // rest to the terms (the two kernels can't share one: run 378), it was 3-7% slower at batch 4,
+        // level to 1.3% slower at 8 and 16, 1% faster at 32 (bench/cuda/NOTES.md, part 56).
         if (streams && b - a <= kDecodeRows) {
           deltas.assign(b - a, DeltaRef{});
           DecodeOptions o;
