@@ -715,7 +715,7 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
         {kBoth | kStreamBase | kXqBefore, "stream base | terms, xq before"},
         {kBoth | kStreamBase | 64 << kBlocksShift, "stream base 64 blocks | terms"},
         {kBoth | kStreamBase | kBaseFirst | 64 << kBlocksShift, "stream base 64 blocks first | terms"},
-        {kBoth, "cuBLAS | terms (route)"},
+        {kBoth, "cuBLAS | terms"},
         {kBoth | kXqBefore, "cuBLAS | terms, xq before"},
         {kTermsAlone, "terms alone"},
         {kBaseAlone | kStreamBase, "stream base alone"}});
@@ -853,30 +853,29 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
                  (chain == 0 ? ", calls" : chain == 1 ? ", graph" : ", graph of 20"),
              ts, bytes, roof, "x roofline"});
       }
-      // Each branch of the route alone in a graph of 20, and the streaming kernel as its base.
-      for (int parts : {int(kBaseAlone), int(kTermsAlone), kBaseAlone | kStreamBase, kBoth | kStreamBase}) {
+      // Each branch of the route alone in a graph of 20 (its base as cuBLAS and as the streaming kernel;
+      // both together are the rows below).
+      for (int parts : {int(kBaseAlone), int(kTermsAlone), kBaseAlone | kStreamBase}) {
         if ((parts & kStreamBase) && !stream_runs) continue;
         const double ts = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, parts); }, reps) / 20;
-        const char* name = parts == kBaseAlone                 ? "route's cuBLAS alone, graph of 20"
-                           : parts == kTermsAlone              ? "route's terms alone, graph of 20"
-                           : parts == (kBaseAlone | kStreamBase) ? "stream kernel base alone, graph of 20"
-                                                               : "stream kernel base | terms, folded, graph of 20";
-        add({shape, "b: 16 rows 16 variants", name, ts,
-             parts == kTermsAlone ? bytes - double(wbytes) : (parts & kTermsAlone) ? bytes : double(wbytes), roof,
-             "x roofline"});
+        const char* name = parts == kBaseAlone    ? "route's cuBLAS alone, graph of 20"
+                           : parts == kTermsAlone ? "route's terms alone, graph of 20"
+                                                  : "stream kernel base alone, graph of 20";
+        add({shape, "b: 16 rows 16 variants", name, ts, parts == kTermsAlone ? bytes - double(wbytes) : double(wbytes),
+             roof, "x roofline"});
       }
       // The engine's route (kEngineBase) alternated twice with: the same with the terms on 4 or 8
       // warps along K (the estimate's choice for 16 single-row slots is 2 at K = 4096 where their
       // blocks fill two waves at 4, and 4 at K = 8192 where 4 and 8 tie: session 56, runs 384-385);
-      // cuBLAS as its base (the engine's until session 56); the streaming base on its own grid and on
-      // 64 blocks; and x quantized before with cuBLAS or the streaming base as the base (at 4096² these
+      // cuBLAS as its base (the engine's until session 56); the streaming base on 64 blocks (on its own
+      // grid it is the engine's route where it runs); and x quantized before with cuBLAS or the streaming base as the base (at 4096² these
       // met (b), 1.24× in run 352, but in the 7B mixed steps the norms and SwiGLU writing x quantized
       // made the step slower, 8.78 → 9.40 ms at batch 16: dropped). Session 55's other forms (the base
       // issued first, on 32 blocks; runs 376 and 378) are slower at 4096² and 11008x4096: left out.
       constexpr int kSB = kBoth | kStreamBase;
       for (int round = 0; round < 2; ++round)
         for (int parts : {kBoth | kEngineBase, kBoth | kEngineBase | 4 << kWkShift,
-                          kBoth | kEngineBase | 8 << kWkShift, int(kBoth), kSB, kSB | 64 << kBlocksShift,
+                          kBoth | kEngineBase | 8 << kWkShift, int(kBoth), kSB | 64 << kBlocksShift,
                           kBoth | kXqBefore, kSB | kXqBefore}) {
           if ((parts & kStreamBase) && !stream_runs) continue;
           const double ts = time_us([&](int s) { side_by_side(s * 20, deltas, false, 20, parts); }, reps) / 20;
