@@ -74,11 +74,12 @@ ModelOptions model_options(const std::string& device, size_t threads = 0,
 
 // What a variant's upload to a device did: its bytes there, whether the pinned host copy was
 // cached (no file read), and the time to build that copy (plan, pin, read the file: 0 work on a
-// hit) and to copy it to the device.
+// hit) and to copy it to the device. Within read_s, page_s is the file's paging-in, front to back,
+// and pin_s the pinned buffer's allocation on its own thread beside it.
 struct UploadStats {
   uint64_t bytes = 0;
   bool host_hit = false;
-  double read_s = 0, copy_s = 0;
+  double read_s = 0, copy_s = 0, page_s = 0, pin_s = 0;
 };
 
 // A variant made ready off the engine thread (prepare_variant): its weights resolved against the

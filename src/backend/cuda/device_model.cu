@@ -804,10 +804,13 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
     std::sort(order.begin(), order.end(), [](const Item* a, const Item* b) {
       return reinterpret_cast<uintptr_t>(a->src) < reinterpret_cast<uintptr_t>(b->src);
     });
+    double pin_s = 0;
     auto filled = std::async(std::launch::async, [&, dev = m.ctx->device, n = dv->bytes] {
       try {
         BITDELTA_CUDA_CHECK(cudaSetDevice(dev));
+        const auto tp = Clock::now();
         auto p = std::make_shared<PinnedPack>(n);
+        pin_s = std::chrono::duration<double>(Clock::now() - tp).count();
         for (const Item* it : order) {
           pager.wait_for(it->src, it->count * dtype_size(it->src_dtype));
           fill(*it, static_cast<std::byte*>(p->host) + it->offset);
@@ -819,7 +822,9 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
       }
     });
     pager.run();
+    const double page_s = std::chrono::duration<double>(Clock::now() - t0).count();
     pack = filled.get();
+    if (stats) stats->page_s = page_s, stats->pin_s = pin_s;
   }
   const auto t1 = Clock::now();
   // Device tier: its own stream, so the steps of other variants go on meanwhile.
