@@ -1,14 +1,18 @@
 #include "device_model.h"
 
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <future>
 #include <list>
 #include <map>
@@ -155,19 +159,48 @@ void* device_alloc(size_t bytes, cudaStream_t stream, const char* what) {
   return p;
 }
 
-// A pinned host copy of one variant's device tensors, laid out exactly as on the device.
+// A pinned host copy of one variant's device tensors, laid out exactly as on the device. Its pages
+// are mapped at once and pinned by pin(), chunk by chunk, on a thread of their own while the file's
+// bytes are written into them: on H100 hosts cudaHostAlloc of a 7B delta's 816 MB took 0.32-0.46 s,
+// as long as the file's read, and the copy into the buffer could only start after it (run 389).
+// Each chunk is registered on its own, so copies to the device go chunk by chunk.
 struct PinnedPack {
+  static constexpr size_t kChunk = size_t(64) << 20;
   PinnedPack(const PinnedPack&) = delete;
   PinnedPack& operator=(const PinnedPack&) = delete;
   void* host = nullptr;
   size_t bytes = 0;
   explicit PinnedPack(size_t n) : bytes(n) {
-    if (cudaHostAlloc(&host, std::max<size_t>(n, 1), cudaHostAllocDefault) != cudaSuccess) {
-      cudaGetLastError();
-      fail("cannot pin ", n >> 20, " MiB of host memory for a delta");
+    const size_t page = size_t(::sysconf(_SC_PAGESIZE));
+    mapped_ = (std::max<size_t>(n, 1) + page - 1) / page * page;
+    void* p = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) fail("cannot map ", n >> 20, " MiB of host memory for a delta: ", std::strerror(errno));
+    host = p;
+  }
+  ~PinnedPack() {
+    for (size_t i = 0; i < pinned_; ++i) cudaHostUnregister(static_cast<std::byte*>(host) + i * kChunk);
+    ::munmap(host, mapped_);
+  }
+  // Pins every chunk, front to back; throws naming the size that could not be pinned.
+  void pin() {
+    for (size_t at = pinned_ * kChunk; at < mapped_; at += kChunk, ++pinned_) {
+      if (cudaHostRegister(static_cast<std::byte*>(host) + at, std::min(kChunk, mapped_ - at),
+                           cudaHostRegisterDefault) != cudaSuccess) {
+        cudaGetLastError();
+        fail("cannot pin ", bytes >> 20, " MiB of host memory for a delta");
+      }
     }
   }
-  ~PinnedPack() { cudaFreeHost(host); }
+  // Queues the copy of all its bytes to dst on stream s (after pin()).
+  void copy_to(void* dst, cudaStream_t s) const {
+    for (size_t at = 0; at < bytes; at += kChunk)
+      BITDELTA_CUDA_CHECK(cudaMemcpyAsync(static_cast<std::byte*>(dst) + at, static_cast<const std::byte*>(host) + at,
+                                          std::min(kChunk, bytes - at), cudaMemcpyHostToDevice, s));
+  }
+
+ private:
+  size_t mapped_ = 0;
+  size_t pinned_ = 0;  // chunks registered
 };
 
 // The host tier: pinned copies of recently loaded deltas under a byte budget, least recently used
@@ -792,11 +825,12 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
   std::shared_ptr<PinnedPack> pack = key.empty() ? nullptr : m.host_tier.get(key);
   const bool hit = pack && pack->bytes == dv->bytes;
   if (!hit) {
-    // This thread pages the file in front to back while another allocates the pinned buffer and
-    // then fills it, item by item in file order, each as soon as its bytes are in: the copy runs
-    // behind the disk instead of after it. Allocating beside the read (part 28) took a 7B delta's
-    // load from 0.87-0.91 s to 0.53-0.57 s against a disk read of 0.49-0.51 s; the copy after the
-    // read is, by inference, most of what was left (NOTES.md, part 43; not yet measured).
+    // This thread pages the file in front to back while a second fills the new buffer, item by item
+    // in file order, each as soon as its bytes are in, and a third pins the buffer's pages: the
+    // fill and the pinning run behind the disk instead of after it. Allocating beside the read
+    // (part 28) took a 7B delta's load from 0.87-0.91 s to 0.53-0.57 s against a disk read of
+    // 0.49-0.51 s; pinning beside the fill, from 0.564-0.629 s to 0.520-0.547 s against floors (disk
+    // read + host->device) of 0.50-0.60 s: the file's paging-in is now the load (run 389, an H100).
     const auto file = delta.file().mapped_bytes();
     SequentialPager pager(file);
     std::vector<const Item*> order;
@@ -804,18 +838,20 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
     std::sort(order.begin(), order.end(), [](const Item* a, const Item* b) {
       return reinterpret_cast<uintptr_t>(a->src) < reinterpret_cast<uintptr_t>(b->src);
     });
+    auto p = std::make_shared<PinnedPack>(dv->bytes);
     double pin_s = 0;
-    auto filled = std::async(std::launch::async, [&, dev = m.ctx->device, n = dv->bytes] {
+    auto pinned = std::async(std::launch::async, [&, dev = m.ctx->device] {
+      BITDELTA_CUDA_CHECK(cudaSetDevice(dev));
+      const auto tp = Clock::now();
+      p->pin();
+      pin_s = std::chrono::duration<double>(Clock::now() - tp).count();
+    });
+    auto filled = std::async(std::launch::async, [&] {
       try {
-        BITDELTA_CUDA_CHECK(cudaSetDevice(dev));
-        const auto tp = Clock::now();
-        auto p = std::make_shared<PinnedPack>(n);
-        pin_s = std::chrono::duration<double>(Clock::now() - tp).count();
         for (const Item* it : order) {
           pager.wait_for(it->src, it->count * dtype_size(it->src_dtype));
           fill(*it, static_cast<std::byte*>(p->host) + it->offset);
         }
-        return p;
       } catch (...) {
         pager.stop();  // nothing more to read for
         throw;
@@ -823,7 +859,14 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
     });
     pager.run();
     const double page_s = std::chrono::duration<double>(Clock::now() - t0).count();
-    pack = filled.get();
+    std::exception_ptr error;
+    for (auto* f : {&filled, &pinned}) try {
+        f->get();
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    if (error) std::rethrow_exception(error);
+    pack = std::move(p);
     if (stats) stats->page_s = page_s, stats->pin_s = pin_s;
   }
   const auto t1 = Clock::now();
@@ -832,7 +875,7 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
   BITDELTA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   try {
     dv->buffer = device_alloc(dv->bytes, s, "a variant's delta");
-    BITDELTA_CUDA_CHECK(cudaMemcpyAsync(dv->buffer, pack->host, dv->bytes, cudaMemcpyHostToDevice, s));
+    pack->copy_to(dv->buffer, s);
     pack_items(items, dv->buffer, s);
     BITDELTA_CUDA_CHECK(cudaStreamSynchronize(s));
   } catch (...) {
