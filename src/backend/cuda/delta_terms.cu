@@ -256,8 +256,10 @@ void delta_terms(const uint8_t* xq, int rows, int N, int K, std::span<const Delt
   // had been mixed, part 35): run 384 (H100, 16 rows of 16 variants, the route beside the streaming
   // base, alternated twice) 4096² 26.01-26.07 → 24.85-24.91 µs, 11008 × 4096 63.51-63.55 →
   // 62.22-62.30, the terms alone 1% slower; the 7B mixed step of 14 variants level at batch 4 to 32
-  // (three rounds). At K = 8192 (4 warps along K instead of 8 where the estimate ties) not yet
-  // measured side by side.
+  // (three rounds). At K = 8192 (4 warps along K instead of 8 where the estimate ties), run 387 (an
+  // H100, the same (b) alternated with k_split naming the warps): 8192² 86.88 µs against 87.98 at 8,
+  // 28672 × 8192 302.5 against 303.1; at 4096² and 11008 × 4096 the estimate's 2 beat 4 by 4.4% and
+  // 2.2%; at 4096 × 11008 (8, where 4 would leave 11 blocks per warp) 4 was 0.3% faster.
   const int groups = RS == 1 ? kGroupsOf<1> : kGroupsOf<2>;
   const auto row_blocks = [&](int wk) {  // blocks per slot
     const int rows_per_block = 16 * (kWarps / wk * groups);
