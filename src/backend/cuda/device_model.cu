@@ -163,7 +163,8 @@ void* device_alloc(size_t bytes, cudaStream_t stream, const char* what) {
 // are mapped at once and pinned by pin(), chunk by chunk, on a thread of their own while the file's
 // bytes are written into them: on H100 hosts cudaHostAlloc of a 7B delta's 816 MB took 0.32-0.46 s,
 // as long as the file's read, and the copy into the buffer could only start after it (run 389).
-// Each chunk is registered on its own, so copies to the device go chunk by chunk.
+// Each chunk is registered on its own (portable: pinned for every context, whichever thread frees
+// it), so copies to the device go chunk by chunk.
 struct PinnedPack {
   static constexpr size_t kChunk = size_t(64) << 20;
   PinnedPack(const PinnedPack&) = delete;
@@ -175,6 +176,7 @@ struct PinnedPack {
     mapped_ = (std::max<size_t>(n, 1) + page - 1) / page * page;
     void* p = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) fail("cannot map ", n >> 20, " MiB of host memory for a delta: ", std::strerror(errno));
+    ::madvise(p, mapped_, MADV_DONTFORK);  // no copy-on-write of pinned pages in a child (advice only)
     host = p;
   }
   ~PinnedPack() {
@@ -185,7 +187,7 @@ struct PinnedPack {
   void pin() {
     for (size_t at = pinned_ * kChunk; at < mapped_; at += kChunk, ++pinned_) {
       if (cudaHostRegister(static_cast<std::byte*>(host) + at, std::min(kChunk, mapped_ - at),
-                           cudaHostRegisterDefault) != cudaSuccess) {
+                           cudaHostRegisterPortable) != cudaSuccess) {
         cudaGetLastError();
         fail("cannot pin ", bytes >> 20, " MiB of host memory for a delta");
       }
