@@ -12,7 +12,6 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
-#include <exception>
 #include <future>
 #include <list>
 #include <map>
@@ -861,13 +860,8 @@ std::shared_ptr<DeviceVariant> DeviceModel::upload(const VariantWeights& weights
     });
     pager.run();
     const double page_s = std::chrono::duration<double>(Clock::now() - t0).count();
-    std::exception_ptr error;
-    for (auto* f : {&filled, &pinned}) try {
-        f->get();
-      } catch (...) {
-        if (!error) error = std::current_exception();
-      }
-    if (error) std::rethrow_exception(error);
+    filled.get();  // if it throws, pinned's destructor still waits for the pinning thread
+    pinned.get();
     pack = std::move(p);
     if (stats) stats->page_s = page_s, stats->pin_s = pin_s;
   }
