@@ -23,8 +23,11 @@ for c in "one variant:fused_gemm" "base:nvjet"; do
   timeout 150 ncu --clock-control none --profile-from-start off -k regex:$k --launch-count 1 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section InstructionStats --print-details all \
-    .device/bin/bench_gpu_e2e /tmp/l7b --decode 4 --profile-case "batch 1, $n" --profile-what prompt 2>&1 |
-    grep -vE "^==PROF==|^ +-+ *$|^$" | grep -vE "^ +(OPT|INF|WRN) |^          [a-z]" | head -120
+    .device/bin/bench_gpu_e2e /tmp/l7b --decode 4 --profile-case "batch 1, $n" --profile-what prompt \
+    > $OUT/ncu_$k.txt 2>&1
+  # the sections after the speed of light (saved whole in ncu_$k.txt)
+  grep -vE "^==PROF==|^ +-+ *$|^$" $OUT/ncu_$k.txt | grep -vE "^ +(OPT|INF|WRN) |^          [a-z]" |
+    awk '/Section: /{on = /Scheduler|Warp State|Instruction/} on' | grep -vE "Table (Name|Description)" | head -100
 done
 date -u
 } > $L 2>&1
