@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Session 58: W (and the signs) prefetched into L2 by the fused GEMM's producer, 0, 2, 4 or 8 stages
+# ahead of its copies (run 403: the consumers wait on their stages' copies in a third of the warp
+# samples, the producer on free slots in 3%). The new build (.device/new.tar.xz): case (c) at the
+# 7B's qkv and gate_up shapes and 4096 x 4096 with each distance, side by side in one process; its
+# kernel checks; the 7B TTFT of the bundle's build and the new one (default: 4 stages), alternated.
+#   run(command="bash bench/cuda/runs/run404.sh", carry=[".device/bundle.tar.xz", ".device/new.tar.xz"])
+set -uo pipefail
+root=$(pwd)
+t0=$(date +%s)
+(cd .device && tar -xJf bundle.tar.xz && mkdir -p new && tar -xJf new.tar.xz -C new) || exit 1
+export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64 BITDELTA_SOURCE_DIR=$root
+L=$OUT/run404.log
+{
+date -u; nvidia-smi --query-gpu=name --format=csv,noheader
+timeout 130 .device/new/bench_cuda_fused_linear --prefill 12288 4096 22016 4096 4096 4096 > $OUT/bench_c.log 2>&1
+echo "bench (c) rc $?"
+grep -E "cuBLAS GemmEx|fused GEMM (128x256 stream|, the|64x256 persistent)" $OUT/bench_c.log | grep "c: 512" | cut -c1-150
+timeout 150 .device/new/test_cuda_fused_linear > $OUT/kernel_test.log 2>&1
+echo "kernel checks rc $?: $(tail -1 $OUT/kernel_test.log)"; grep -m5 FAIL $OUT/kernel_test.log
+echo "-- $(( $(date +%s) - t0 )) s"
+[ -d /tmp/l7b/base ] || .device/bin/make_synthetic /tmp/l7b --layers 32 --hidden 4096 --inter 11008 --vocab 32000 \
+  --heads 32 --kv-heads 32 --tie 0 --shards 3 --finetune 0 --deltas 14 > /tmp/ms.log 2>&1 || tail -3 /tmp/ms.log
+cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json \
+  /tmp/l7b/base/
+for round in 1 2; do
+  for b in new bin; do
+    [ $(( $(date +%s) - t0 )) -gt 330 ] && { echo "left out: $b round $round"; continue; }
+    echo "== $b round $round: $(timeout 90 .device/$b/bench_gpu_e2e /tmp/l7b --decode 4 --batch 32 --requests 8 2>&1 |
+      grep -A15 'TTFT of' | awk 'NR > 1 {print $1, $2}' | tr '\n' ' ')"
+  done
+done
+date -u
+} > $L 2>&1
+cat $L
