@@ -75,7 +75,7 @@ ModelOptions model_options(const std::string& device, size_t threads = 0,
 // What a variant's upload to a device did: its bytes there, whether the pinned host copy was
 // cached (no file read), and the time to build that copy (plan, pin, read the file: 0 work on a
 // hit) and to copy it to the device. Within read_s, page_s is the file's paging-in, front to back,
-// and pin_s the pinned buffer's allocation on its own thread beside it.
+// and pin_s the pinning of the buffer's pages, on their own thread beside it.
 struct UploadStats {
   uint64_t bytes = 0;
   bool host_hit = false;
