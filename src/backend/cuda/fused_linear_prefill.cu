@@ -53,13 +53,14 @@ __global__ void expand_kernel(const __nv_bfloat16* w, int K, const uint8_t* sign
 // W is wgmma's A operand, which may come from registers: each consumer thread loads its A fragment
 // of W with ldmatrix, adds ±α from its sign bits (bf16 add: bf16(w ± bf16(α)), one rounding, as
 // materialize rounds W_eff) and issues wgmma.m64nBNk16 with x (B) read by the tensor cores from
-// shared memory. Warp-specialized: one producer thread streams 64-column stages of W, x (both in
-// the 128-byte swizzle that wgmma's descriptors name) and the stage's sign words into a ring of
-// 4–12 stages with the tensor memory accelerator (TMA), each stage completing on a "full" mbarrier;
-// the consumer warpgroups (64 output rows each) wait on it, compute, and release the slot on an
-// "empty" mbarrier once their wgmma no longer read it. While the last one or two stages' wgmma
+// shared memory. Warp-specialized: two producer threads stream 64-column stages of W with the
+// stage's sign words, and of x (both in the 128-byte swizzle that wgmma's descriptors name), into
+// two rings (W's of 5–11 stages, x's of 4–14) with the tensor memory accelerator (TMA), each
+// stage completing on a "full" mbarrier; the consumer warpgroups (64 output rows each) wait on
+// them, compute, and release each slot on an "empty" mbarrier once nothing reads it any more: W's
+// once the stage's wgmma are issued, x's once they retired. While the last one or two stages' wgmma
 // run, the next stage's fragments are expanded into another register set. A block works through a
-// list of pieces (FusedSchedule below); the ring runs on from one piece to the next, so that the
+// list of pieces (FusedSchedule below); the rings run on from one piece to the next, so that the
 // next piece's first stages load while the consumers write the last one's sums.
 constexpr int kFusedBK = 64;  // columns per stage: one 128-byte swizzle row of bf16
 
@@ -77,19 +78,28 @@ struct FusedTile {
   // Signs per stage: the TMA box [BM/16 row groups][8 g][2 t'][4 i] of 32-bit words (i: all four
   // registers of a lane, of which a stage needs two: a box's innermost extent must be 16 bytes).
   static constexpr int kSignBytes = BM / 16 * 8 * 2 * 4 * 4;
-  static constexpr int kStageBytes = kWBytes + kXBytes + kSignBytes;
-  // As many stages as fit (12 for 64 × 64 tiles, which stream W for few rows of x; they had 6 until
-  // run 97, with no clear change from 12; what held them at 0.32–0.68 of the copy rate was x's box,
-  // FusedMaps).
-  static constexpr int kStages = (220 * 1024 - 1024) / kStageBytes;
-  static constexpr int kSmem = kStages * kStageBytes + 2 * kStages * 8 + 1024;
-  static constexpr int kRegs =
-      C == 2 ? 232 : 248;  // consumers' registers (setmaxnreg); producer 40
   // Register sets of W fragments: stage s uses set s % kSets, and after it the wgmma of the last
   // kSets − 1 stages may still run (so many fit beside the accumulators: two for tiles of more
   // than 160 rows of x, whose stages are long on the tensor cores; 128 × 176 spills with three).
   static constexpr int kSets = BN / 2 + 3 * 16 <= 128 ? 3 : 2;
-  static_assert(kStages >= 4, "a tile's stages must fit in shared memory");
+  // Two rings, W's (with the signs) and x's. A W slot is free once its stage's wgmma were issued
+  // (they wait for the fragments), an x slot only once they retired, kSets − 1 stages later: at a
+  // stage's start all of W's kStages slots may be ahead of the consumers, kXStages − (kSets − 1) of
+  // x's. In a model's prompt x was just written by the kernel before (in L2) and W comes from DRAM:
+  // x's ring leads by 96 KB (3 stages of the 256-row tiles, 4 of 128 × 176, 6 of 128 × 128, 12 of
+  // 64 × 64), W's takes the rest. One ring of 4 or 5 stages left the consumers waiting on their
+  // stages' copies in a third of the warp samples, the producer on free slots (run 403). 7B prompts
+  // on an H100, against one ring: 512 tokens, the 64 × 256 tile (10 W stages) took 15% less time,
+  // the 128 × 256 tile (5) 1.4% more, TTFT 5% less (run 409; 6 W stages and x leading by 4 made the
+  // 64 × 256 tile no faster, run 408); 128 tokens, TTFT within 0.1 ms; 64 tokens, 0–0.2 ms (0–3%)
+  // more (run 411, medians; with x leading by 3 stages there, 0.1–0.4 ms, run 410).
+  static constexpr int kWStageBytes = kWBytes + kSignBytes, kBudget = 220 * 1024 - 1024;
+  static constexpr int kXStages = kSets - 1 + (3 * kXBytes > 96 * 1024 ? 3 : 96 * 1024 / kXBytes);
+  static constexpr int kStages = (kBudget - kXStages * (kXBytes + 16)) / (kWStageBytes + 16);  // W's
+  static constexpr int kSmem = kStages * kWStageBytes + kXStages * kXBytes + 16 * (kStages + kXStages) + 1024;
+  static constexpr int kRegs =
+      C == 2 ? 232 : 248;  // consumers' registers (setmaxnreg); producer 40
+  static_assert(kStages >= 4, "a tile's W stages must fit in shared memory");
   static_assert(kSets == 2 || kSets == 3, "the stage loop is written for 2 or 3 register sets");
   static_assert(kRegs % 8 == 0 && kConsumers * kRegs + 128 * 40 <= 65536, "setmaxnreg budget");
 };
@@ -243,11 +253,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #ifdef BITDELTA_FUSED_WGMMA
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
-  constexpr int S = T::kStages;
-  uint8_t* w_tiles = smem;                      // [stage][BM rows][128 B], swizzled
-  uint8_t* x_tiles = smem + S * T::kWBytes;     // [stage][BN rows][128 B], swizzled
-  uint8_t* s_tiles = x_tiles + S * T::kXBytes;  // [stage][BM/16 rg][8 g][2 t'][4 i] words
-  const uint32_t full0 = smem_addr(smem + S * T::kStageBytes), empty0 = full0 + 8 * S;
+  constexpr int S = T::kStages, SX = T::kXStages;
+  uint8_t* w_tiles = smem;                       // [W stage][BM rows][128 B], swizzled
+  uint8_t* x_tiles = smem + S * T::kWBytes;      // [x stage][BN rows][128 B], swizzled
+  uint8_t* s_tiles = x_tiles + SX * T::kXBytes;  // [W stage][BM/16 rg][8 g][2 t'][4 i] words
+  const uint32_t full0 = smem_addr(s_tiles + S * T::kSignBytes), empty0 = full0 + 8 * S;  // W's
+  const uint32_t xfull0 = empty0 + 8 * S, xempty0 = xfull0 + 8 * SX;                        // x's
 
   // Whether this block adds a shared tile's sums; two, by parity of the shared pieces: a consumer
   // warpgroup may write the next one's while the other still reads this one's.
@@ -258,28 +269,42 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, T::kConsumers);
     }
+    for (int s = 0; s < SX; ++s) {
+      mbar_init(xfull0 + 8 * s, 1);
+      mbar_init(xempty0 + 8 * s, T::kConsumers);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
-  if (tid >= T::kConsumers) {  // the producer warpgroup: one thread issues every copy
+  if (tid >= T::kConsumers) {  // the producer warpgroup: one thread issues W's copies, another x's
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (tid == T::kConsumers) {
-      int g = 0;  // the ring's running stage
-      for_each_piece(sched, unit, [&](int nt, int mt, int kb, int ke) {
-        const int n0 = nt * T::BM, m0 = mt * T::BN;
-        const bool last_x = mt == sched.MT - 1;
+      int g = 0;  // the W ring's running stage
+      for_each_piece(sched, unit, [&](int nt, int, int kb, int ke) {
+        const int n0 = nt * T::BM;
         for (int kt = kb; kt < ke; ++kt, ++g) {
           const int slot = g % S, k0 = kt * kFusedBK, s = (k0 & 255) >> 6;
           const uint32_t full = full0 + 8 * slot;
           mbar_wait(empty0 + 8 * slot, ((g / S) & 1) ^ 1);
-          mbar_expect_tx(full, T::kWBytes + (last_x ? sched.x_last_rows : T::BN) * kFusedBK * 2 +
-                                   (Delta ? T::kSignBytes : 0));
+          mbar_expect_tx(full, T::kWBytes + (Delta ? T::kSignBytes : 0));
           tma_2d(smem_addr(w_tiles + slot * T::kWBytes), &maps.w, k0, n0, full);
-          tma_2d(smem_addr(x_tiles + slot * T::kXBytes), last_x ? &maps.x_last : &maps.x, k0, m0, full);
           if (Delta)
             tma_5d(smem_addr(s_tiles + slot * T::kSignBytes), &maps.signs, 0, 2 * (s & 1), 0, k0 >> 8,
                    n0 / 16, full);
+        }
+      });
+    } else if (tid == T::kConsumers + 32) {
+      int g = 0;  // the x ring's running stage
+      for_each_piece(sched, unit, [&](int, int mt, int kb, int ke) {
+        const int m0 = mt * T::BN;
+        const bool last_x = mt == sched.MT - 1;
+        for (int kt = kb; kt < ke; ++kt, ++g) {
+          const int slot = g % SX;
+          const uint32_t full = xfull0 + 8 * slot;
+          mbar_wait(xempty0 + 8 * slot, ((g / SX) & 1) ^ 1);
+          mbar_expect_tx(full, (last_x ? sched.x_last_rows : T::BN) * kFusedBK * 2);
+          tma_2d(smem_addr(x_tiles + slot * T::kXBytes), last_x ? &maps.x_last : &maps.x, kt * kFusedBK, m0, full);
         }
       });
     }
@@ -290,10 +315,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // The piece in hand: its tile's first output row and x row, and its first stage. −α of rows g
     // and g + 8 as bf16 pairs (both halves); flipping the sign where a sign bit is 1 gives +α.
     int n0 = 0, m0 = 0, kb = 0, parity = 0;
-    // The ring, kept as running values rather than recomputed from the running stage (a division
-    // by S and its remainder per stage): the next stage's slot and phase, and the next slot to
-    // release.
-    int slot = 0, phase = 0, rslot = 0;
+    // The rings, kept as running values rather than recomputed from the running stage (a division
+    // by S and its remainder per stage): the next stage's W slot and x slot, and both phases (bit 0
+    // W's, bit 1 x's).
+    int slot = 0, xslot = 0, phases = 0, rslot = 0;  // rslot: the next x slot to release
     uint32_t alpha2[2];
     const int sh0 = 15 - 2 * t;  // delta_pair's shift of this lane's first pair (bits 2t, 16 + 2t)
     // ldmatrix.x4 source of this lane: matrix q = lane / 8 (rows +8·(q&1), columns +8·(q>>1)), row
@@ -314,13 +339,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       for (int i = 0; i < T::BN / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
     };
 
-    // Stage j of the piece in hand: wait for its copies, expand its fragments into register set P, issue its 4 wgmma,
-    // then wait until at most the wgmma of this stage and the kSets − 2 before it run, and release
-    // the slot of the stage before those. Branch-free: ptxas serializes the wgmma of a loop with
-    // branches in it.
+    // Stage j of the piece in hand: wait for its W and signs, expand its fragments into register set
+    // P, wait for its x, issue its 4 wgmma and release W's slot, then wait until at most the wgmma
+    // of this stage and the kSets − 2 before it run, and release the x slot of the stage before
+    // those. Branch-free: ptxas serializes the wgmma of a loop with branches in it.
     const auto stage = [&]<int P, bool First, bool Release>(int j) {
       const int s = (kb + j) & 3;  // the stage's 64 columns within its 256-column sign block
-      mbar_wait(full0 + 8 * slot, phase);
+      mbar_wait(full0 + 8 * slot, phases & 1);
       const uint32_t wt = w_smem + slot * T::kWBytes;  // block-uniform: the lane's part is in loff
       // Words (t', i): i = 2(s>>1) for row g, +1 for row g + 8; t' even for columns 0..31 of the
       // stage, odd for 32..63; bit c is column c (rows: x, y for t' even, z, w for t' odd).
@@ -362,7 +387,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           afrag[P][j][0] = r0, afrag[P][j][1] = r1, afrag[P][j][2] = r2, afrag[P][j][3] = r3;
         }
       }
-      const uint64_t desc = desc0 + uint64_t(slot * (T::kXBytes >> 4));
+      mbar_wait(xfull0 + 8 * xslot, phases >> 1);
+      const uint64_t desc = desc0 + uint64_t(xslot * (T::kXBytes >> 4));
       uint64_t descs[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) descs[j] = desc + 2 * j;  // +32 B per 16 columns
@@ -378,13 +404,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #pragma unroll
       for (int j = 1; j < 4; ++j) wgmma_m64k16<T::BN, true>(acc, afrag[P][j], descs[j]);
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      // W's slot: issuing the wgmma waited for its fragments, so the ldmatrix reads are done (an
+      // arrival right after the expansion could overtake them: run 405, 19 of 162 checks of
+      // 128 × 176 tiles wrong, none since).
+      mbar_arrive(empty0 + 8 * slot);
       asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(T::kSets - 1) : "memory");
       if constexpr (Release) {
-        mbar_arrive(empty0 + 8 * rslot);
-        rslot = rslot + 1 == S ? 0 : rslot + 1;
+        mbar_arrive(xempty0 + 8 * rslot);
+        rslot = rslot + 1 == SX ? 0 : rslot + 1;
       }
-      phase ^= slot + 1 == S ? 1 : 0;
+      phases ^= (slot + 1 == S ? 1 : 0) | (xslot + 1 == SX ? 2 : 0);
       slot = slot + 1 == S ? 0 : slot + 1;
+      xslot = xslot + 1 == SX ? 0 : xslot + 1;
     };
     // Stage j of a piece releases the slot of stage j − (kSets − 1), whose wgmma the wait retired;
     // the first kSets − 1 stages release none, and the piece's last ones are released after it. The
@@ -397,7 +428,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         alpha2[h] = neg_alpha_pair(Delta ? alpha[per_row ? n : 0] : 0.0f);
       }
       const int n = k1 - k0;
-      rslot = slot;          // the piece's stage 0 is the first its stages release
+      rslot = xslot;         // the piece's stage 0 is the first its stages release
       fence_accumulators();  // the last piece's reads of acc stay before this piece's wgmma
       if constexpr (T::kSets == 3) {
         stage.template operator()<0, true, false>(0);
@@ -422,8 +453,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       fence_accumulators();  // no read of acc moves above the wait
       for (int j = max(0, n - (T::kSets - 1)); j < n; ++j) {
-        mbar_arrive(empty0 + 8 * rslot);
-        rslot = rslot + 1 == S ? 0 : rslot + 1;
+        mbar_arrive(xempty0 + 8 * rslot);
+        rslot = rslot + 1 == SX ? 0 : rslot + 1;
       }
 
       if (k0 > 0 || k1 < sched.KT) {
