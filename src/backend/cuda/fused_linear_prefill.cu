@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       slot = slot + 1 == S ? 0 : slot + 1;
       xslot = xslot + 1 == SX ? 0 : xslot + 1;
     };
-    // Stage j of a piece releases the slot of stage j − (kSets − 1), whose wgmma the wait retired;
+    // Stage j of a piece releases the x slot of stage j − (kSets − 1), whose wgmma the wait retired;
     // the first kSets − 1 stages release none, and the piece's last ones are released after it. The
     // loop takes kSets stages at a time (register sets by constant).
     const auto piece = [&](int nt, int mt, int k0, int k1) {
