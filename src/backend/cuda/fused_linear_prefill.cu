@@ -90,7 +90,7 @@ struct FusedTile {
   // 64 × 64), W's takes the rest. One ring of 4 or 5 stages left the consumers waiting on their
   // stages' copies in a third of the warp samples, the producer on free slots (run 403). 7B prompts
   // on an H100, against one ring: 512 tokens, the 64 × 256 tile (10 W stages) took 15% less time,
-  // the 128 × 256 tile (5) 1.4% more, TTFT 5% less (run 409; 6 W stages and x leading by 4 made the
+  // the 128 × 256 tile (5) 1.3–1.5% more, TTFT 5% less (run 409; 6 W stages and x leading by 4 made the
   // 64 × 256 tile no faster, run 408); 128 tokens, TTFT within 0.1 ms; 64 tokens, 0–0.2 ms (0–3%)
   // more (run 411, medians; with x leading by 3 stages there, 0.1–0.4 ms, run 410).
   static constexpr int kWStageBytes = kWBytes + kSignBytes, kBudget = 220 * 1024 - 1024;
