@@ -234,8 +234,8 @@ TEST_F(GpuModel, MixedStepMatchesEachSequenceAloneOnTheCpu) {
 
 // Decode steps of 3 to 32 rows of several variants, which take the base (the streaming kernel with no
 // delta on sm_90a, else cuBLAS) beside the delta terms (a second stream) for all their rows; the
-// consumers of each linear add its terms as they read it. With the base's rows among them and without, α per
-// row and per tensor.
+// consumers of each linear add its terms as they read it. With the base's rows among them and
+// without, α per row and per tensor.
 TEST_F(GpuModel, MixedDecodeStepsOfFewRowsMatchTheCpu) {
   for (AlphaMode mode : {AlphaMode::Row, AlphaMode::Tensor}) {
     Model gpu(kDemo / "base", on_cuda());
