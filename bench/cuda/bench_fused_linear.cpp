@@ -9,8 +9,9 @@
 // as in a step: chains and CUDA graphs of 20 norm + linear pairs less the norms alone); --many-variants
 // [N K ...] cases (b), d and e only (rows of several variants); --few-rows
 // [N K ...] case c' (8–48 rows of one variant) only; --prefill-rows R [N K ...] case (c) with R rows
-// instead of 512 (not c'); --quick the first shape; --profile [N K],
-// --profile-prefill [N K [rows]] few reps (for ncu); --portable-sweep R1,R2,... [N K ...] the
+// instead of 512 (not c'); --prefill-fresh-x [N K ...] case (c) (not c') with x copied into place
+// before each call, untimed (as a model's prompt finds it: just written); --quick the first shape;
+// --profile [N K], --profile-prefill [N K [rows]] few reps (for ncu); --portable-sweep R1,R2,... [N K ...] the
 // portable fused GEMM's configurations at those row counts;
 // --tile-read [N K ...] the streaming kernel's TMA ring alone in several stage geometries (tile_read.h);
 // --stream-trace [N K ...] the streaming kernel's per-block timeline (a BITDELTA_STREAM_TRACE build), also
@@ -19,7 +20,10 @@
 // Timing: CUDA events around each call, warm-up, median of many reps; every rep uses the next of
 // several weight/sign buffer sets so that the 60 MB L2 never serves them; data random (never
 // zeros). The device-to-device copy bandwidth (read + write) is measured in the same run: the
-// roofline.
+// roofline. x stays the same buffer; (c) ends with the engine's choice and cuBLAS timed once more with
+// x copied into place before each call ("x just written", untimed), as a model's prompt finds it:
+// left clean in L2 by the call before, x made one ring look faster than two at 4096 × 11008, where
+// with x just written it took 1.54–1.56 × cuBLAS against 1.22–1.25 (run 415, H100).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -415,7 +419,7 @@ void cublas_base(bcuda::PrefillLinear& prefill, const bf16* w, int N, int K, con
 void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, int K,
                  bool profile_only = false, bool prefill_only = false, int prefill_rows = 512,
                  bool few_rows_only = false, bool one_row_only = false, bool many_only = false,
-                 int trace_only = 0, bool c_only = false) {
+                 int trace_only = 0, bool c_only = false, bool fresh_x = false) {
   const size_t wbytes = size_t(N) * K * 2, sbytes = bcuda::packed_signs_bytes(N, K);
   const int kVariants = 16, kPrefillRows = prefill_rows;
   const std::string c_rows = "c: " + std::to_string(kPrefillRows) + " rows";
@@ -1057,8 +1061,18 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   using FS = bcuda::FusedSplit;
   const int preps = profile_only ? 2 : wbytes > (200u << 20) ? 20 : 50;
   const double w_s_bytes = double(wbytes + sbytes);  // W and one variant's signs
+  // x copied into place before a call (untimed), so that the call finds it as a model's prompt does,
+  // just written by the kernel before, rather than as the call before left it (read, clean in L2):
+  // with fresh_x for every call of (c), else for the engine's choice and cuBLAS once more at the end.
+  DeviceMem x_src(x_rows * K * 2);
+  BITDELTA_CUDA_CHECK(cudaMemcpy(x_src.ptr, x.ptr, x_rows * K * 2, cudaMemcpyDeviceToDevice));
+  const std::function<void(int)> put_x = [&](int) {
+    BITDELTA_CUDA_CHECK(cudaMemcpyAsync(x.ptr, x_src.ptr, size_t(kPrefillRows) * K * 2, cudaMemcpyDeviceToDevice));
+  };
+  const std::function<void(int)> before = fresh_x ? put_x : std::function<void(int)>{};
   if (!few_rows_only) {
-    const double t_cublas = time_us([&](int s) { cublas_rows(kPrefillRows, s); }, preps);
+    if (fresh_x) std::printf("%-12s (c) with x copied into place before each call (untimed)\n", shape.c_str());
+    const double t_cublas = time_us([&](int s) { cublas_rows(kPrefillRows, s); }, preps, 3, before);
     const double flops = 2.0 * kPrefillRows * N * K;
     add({shape, c_rows + " base",
          "cuBLAS GemmEx " + std::to_string(int(flops / t_cublas / 1e6)) + " TF/s", t_cublas,
@@ -1104,10 +1118,11 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
       const auto [tc, t] = time_pair_us(
           cublas,
           [&](int s) { prefill.run(c.method, W(s), N, K, X, kPrefillRows, delta(s, 0), Y, c.chunk, c.expand_blocks); },
-          preps);
+          preps, 3, before);
       if (c.method == M::kFused || c.method == M::kFusedMma) {  // the same kernel on W alone: the cost of the ±α expansion
         const auto [tcb, tb] = time_pair_us(
-            cublas, [&](int s) { prefill.run(c.method, W(s), N, K, X, kPrefillRows, DeltaRef{}, Y); }, preps);
+            cublas, [&](int s) { prefill.run(c.method, W(s), N, K, X, kPrefillRows, DeltaRef{}, Y); }, preps, 3,
+            before);
         add({shape, c_rows + " base", std::string(c.name) + ", no delta", tb, double(wbytes), tcb, "x cuBLAS"});
       }
       add({shape, c_rows + " 1 variant",
@@ -1115,8 +1130,16 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
            t, w_s_bytes, tc, "x cuBLAS"});
     }
     prefill.set_fused_config({});
+    if (!fresh_x && !profile_only && prefill.fused_available()) {
+      const auto [tc, t] = time_pair_us(
+          [&](int s) { cublas_rows(kPrefillRows, s); },
+          [&](int s) { prefill.run(M::kFused, W(s), N, K, X, kPrefillRows, delta(s, 0), Y); }, preps, 3, put_x);
+      add({shape, c_rows + " base", "cuBLAS GemmEx, x just written", tc, double(wbytes), 0, ""});
+      add({shape, c_rows + " 1 variant", "fused GEMM, the engine's choice, x just written", t, w_s_bytes, tc,
+           "x cuBLAS"});
+    }
     // cuBLAS alone again, after all the forms: how far the clocks moved since the first row.
-    const double t_cublas_after = time_us([&](int s) { cublas_rows(kPrefillRows, s); }, preps);
+    const double t_cublas_after = time_us([&](int s) { cublas_rows(kPrefillRows, s); }, preps, 3, before);
     add({shape, c_rows + " base",
          "cuBLAS GemmEx again, after the forms " + std::to_string(int(flops / t_cublas_after / 1e6)) + " TF/s",
          t_cublas_after, double(wbytes), 0, ""});
@@ -1403,6 +1426,15 @@ int main(int argc, char** argv) {
         for (int i = 3; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
       }
       for (auto [N, K] : shapes) bench_portable_sweep(rnd, prefill, N, K, rows);
+      return 0;
+    }
+    if (mode == "--prefill-fresh-x") {  // [N K ...]: case (c) with x copied into place before each call
+      if (argc > 3) {
+        shapes.clear();
+        for (int i = 2; i + 1 < argc; i += 2) shapes.emplace_back(std::atoi(argv[i]), std::atoi(argv[i + 1]));
+      }
+      for (auto [N, K] : shapes)
+        bench_shape(rnd, prefill, N, K, false, true, 512, false, false, false, 0, true, true);
       return 0;
     }
     if (mode == "--prefill" && argc > 3) {  // --prefill N K [N K ...]: case (c) at these shapes instead

@@ -30,13 +30,19 @@ inline double median(std::vector<double> v) {
 }
 
 // Median µs of fn(rep) over reps calls on the default stream, after `warmup` calls (rep counts on
-// through them, so that callers can cycle through buffers).
-inline double time_us(const std::function<void(int)>& fn, int reps, int warmup = 3) {
-  for (int i = 0; i < warmup; ++i) fn(i);
+// through them, so that callers can cycle through buffers). before(rep), if given, runs before each
+// call, outside the timed interval (a launch that puts the call's input in place).
+inline double time_us(const std::function<void(int)>& fn, int reps, int warmup = 3,
+                      const std::function<void(int)>& before = {}) {
+  for (int i = 0; i < warmup; ++i) {
+    if (before) before(i);
+    fn(i);
+  }
   BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<cudaEvent_t> ev(2 * size_t(reps));
   for (auto& e : ev) BITDELTA_CUDA_CHECK(cudaEventCreate(&e));
   for (int i = 0; i < reps; ++i) {
+    if (before) before(warmup + i);
     BITDELTA_CUDA_CHECK(cudaEventRecord(ev[2 * size_t(i)], nullptr));
     fn(warmup + i);
     BITDELTA_CUDA_CHECK(cudaEventRecord(ev[2 * size_t(i) + 1], nullptr));
@@ -56,28 +62,37 @@ inline double time_us(const std::function<void(int)>& fn, int reps, int warmup =
 // same clocks: a GPU running GEMMs back to back reaches its power limit and lowers its clock (run
 // 91: 1980 → 1410–1920 MHz; run 85: one configuration timed twice, seconds apart, came out 8%
 // apart). fa gets even indices and fb odd ones, so that callers cycling through buffers by index
-// never give both the same one.
+// never give both the same one. before(index), if given, runs before each call, untimed.
 inline std::pair<double, double> time_pair_us(const std::function<void(int)>& fa, const std::function<void(int)>& fb,
-                                              int reps, int warmup = 3) {
+                                              int reps, int warmup = 3,
+                                              const std::function<void(int)>& before = {}) {
+  const auto call = [&](const std::function<void(int)>& f, int i) {
+    if (before) before(i);
+    f(i);
+  };
   std::vector<double> ta, tb;
-  for (int i = 0; i < warmup; ++i) fa(2 * i), fb(2 * i + 1);
-  std::vector<cudaEvent_t> ev(3 * size_t(reps));
+  for (int i = 0; i < warmup; ++i) call(fa, 2 * i), call(fb, 2 * i + 1);
+  std::vector<cudaEvent_t> ev(4 * size_t(reps));
   for (auto& e : ev) BITDELTA_CUDA_CHECK(cudaEventCreate(&e));
   BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
   for (int i = 0; i < reps; ++i) {
-    cudaEvent_t* e = &ev[3 * size_t(i)];
+    cudaEvent_t* e = &ev[4 * size_t(i)];
+    const int ia = 2 * (warmup + i), ib = ia + 1;
+    if (before) before(ia);
     BITDELTA_CUDA_CHECK(cudaEventRecord(e[0], nullptr));
-    fa(2 * (warmup + i));
+    fa(ia);
     BITDELTA_CUDA_CHECK(cudaEventRecord(e[1], nullptr));
-    fb(2 * (warmup + i) + 1);
+    if (before) before(ib);
     BITDELTA_CUDA_CHECK(cudaEventRecord(e[2], nullptr));
+    fb(ib);
+    BITDELTA_CUDA_CHECK(cudaEventRecord(e[3], nullptr));
   }
   BITDELTA_CUDA_CHECK(cudaDeviceSynchronize());
   for (int i = 0; i < reps; ++i) {
-    const cudaEvent_t* e = &ev[3 * size_t(i)];
+    const cudaEvent_t* e = &ev[4 * size_t(i)];
     float a = 0, b = 0;
     BITDELTA_CUDA_CHECK(cudaEventElapsedTime(&a, e[0], e[1]));
-    BITDELTA_CUDA_CHECK(cudaEventElapsedTime(&b, e[1], e[2]));
+    BITDELTA_CUDA_CHECK(cudaEventElapsedTime(&b, e[2], e[3]));
     ta.push_back(a * 1e3), tb.push_back(b * 1e3);
   }
   for (auto& e : ev) cudaEventDestroy(e);
