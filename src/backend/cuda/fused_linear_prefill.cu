@@ -89,10 +89,14 @@ struct FusedTile {
   // x's ring leads by 96 KB (3 stages of the 256-row tiles, 4 of 128 × 176, 6 of 128 × 128, 12 of
   // 64 × 64), W's takes the rest. One ring of 4 or 5 stages left the consumers waiting on their
   // stages' copies in a third of the warp samples, the producer on free slots (run 403). 7B prompts
-  // on an H100, against one ring: 512 tokens, the 64 × 256 tile (10 W stages) took 15% less time,
-  // the 128 × 256 tile (5) 1.3–1.5% more, TTFT 5% less (run 409; 6 W stages and x leading by 4 made the
-  // 64 × 256 tile no faster, run 408); 128 tokens, TTFT within 0.1 ms; 64 tokens, 0–0.2 ms (0–3%)
-  // more (run 411, medians; with x leading by 3 stages there, 0.1–0.4 ms, run 410).
+  // on an H100, against one ring (ncu per launch, caches kept, run 413): down (4096 × 11008, 64 × 256,
+  // 10 W stages) 80 µs against 115–116, o (4096²) 32.5 against 33.6, qkv and gate/up (128 × 256, 5 W
+  // stages) 1.4–2.7% more; 512-token TTFT 4–5% less (runs 409, 413). x leading by 2 stages (W 14) made
+  // o and down 17–22% slower (run 416), by 4 (W 6) no faster than one ring (run 408). 128 tokens, TTFT
+  // within 0.1 ms; 64 tokens, 0–0.2 ms (0–3%) more (run 411, medians; x leading by 3 there, 0.1–0.4 ms,
+  // run 410). Case (c) agrees once x is written just before each call as in the model (run 415:
+  // 4096 × 11008 1.22–1.25 × cuBLAS against one ring's 1.54–1.56); with x left clean in L2 by the call
+  // before, one ring looked faster at every shape (runs 410, 412).
   static constexpr int kWStageBytes = kWBytes + kSignBytes, kBudget = 220 * 1024 - 1024;
   static constexpr int kXStages = kSets - 1 + (3 * kXBytes > 96 * 1024 ? 3 : 96 * 1024 / kXBytes);
   static constexpr int kStages = (kBudget - kXStages * (kXBytes + 16)) / (kWStageBytes + 16);  // W's
