@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Session 60, prepared for the next session (not run): the 128 x 128 tile (prompts of 65-128 rows)
-# with a deeper W ring, to hide the late signs at K not a power of two (runs 420-421: its delta costs
-# 37-42% at K = 10240 and 11008, 10-13% at 4096, 8192, 16384; the two-ring 64 x 256 tile, 10 W stages,
-# 4-7% everywhere). HEAD: x 8 stages (lead 6), W 5. X3 (runs/run422_x3_128x128.patch): x 5 (lead 3),
-# W 8. X4 (the patch with `kSets - 1 + 4`): x 6 (lead 4), W 7. On an H200, run392.sh first (the issue's
-# table). Then: kernel checks of X3 and X4; case (c) with x just written (--prefill-fresh-x) at
-# N = 4096, K = 4096, 8192, 11008, 14336 for bin, X3, X4; --prefill-rows 128 at o's, down's, qkv's and
-# gate/up's shapes (the engine's choice there is 128 x 128; its "x just written" row) for the three;
-# the 7B TTFT at 128-token prompts, the three alternated, two rounds.
-# .device/new.tar.xz: X3/, X4/ (bench_cuda_fused_linear, test_cuda_fused_linear, bench_gpu_e2e each):
-# for each patch, git apply it (X4: then edit 3 into 4), build those three targets, strip them into
-# /tmp/newbin/<name>, git checkout the file; tar -C /tmp/newbin -cf - . | xz -T2 -9 > .device/new.tar.xz.
+# Session 60, prepared for the next session (not run): the K effect of runs 420-421 (the delta costs
+# 5-14% where K is a power of two, up to 46% elsewhere, except in the two-ring 64 x 256 tile), two
+# remedies against the bundle (bin, HEAD):
+#   X3, X4: the 128 x 128 tile (prompts of 65-128 rows) with a deeper W ring: HEAD has x 8 stages
+#     (lead 6), W 5; X3 (runs/run422_x3_128x128.patch) x 5 (lead 3), W 8; X4 (the same patch with
+#     `kSets - 1 + 4`) x 6 (lead 4), W 7;
+#   S (runs/run422_signs512.patch): every tile copies each row group's 512 bytes of signs whole per
+#     stage (one contiguous run; HEAD copies eight 32-byte pieces, half of it), to test whether the
+#     signs' small strided pieces are what comes late.
+# On an H200, run392.sh first (the issue's table). Then: kernel checks of X3, X4, S; case (c) with x
+# just written (--prefill-fresh-x) at N = 4096, K = 4096, 8192, 11008, 14336, and --prefill-rows 128 at
+# o's, down's, qkv's and gate/up's shapes (the engine's choice there is 128 x 128), for all four; the
+# 7B TTFT at 128-token prompts (all four) and 512-token prompts (bin and S), two rounds.
+# .device/new.tar.xz: X3/, X4/, S/ (bench_cuda_fused_linear, test_cuda_fused_linear, bench_gpu_e2e each):
+# for each, git apply its patch (X4: then edit `kSets - 1 + 3` into 4), build those three targets, strip
+# them into /tmp/newbin/<name>, git checkout the file; tar -C /tmp/newbin -cf - . | xz -T2 -9 >
+# .device/new.tar.xz.
 #   run(command="bash bench/cuda/runs/run422.sh", carry=[".device/bundle.tar.xz", ".device/new.tar.xz"])
 set -uo pipefail
 root=$(pwd)
@@ -24,13 +29,13 @@ L=$OUT/run422.log
 left() { [ $(( $(date +%s) - t0 )) -gt $1 ] && { echo "left out: $2"; return 0; }; return 1; }
 {
 date -u; echo "$card"
-for b in X3 X4; do
+for b in X3 X4 S; do
   left 300 "kernel checks of $b" && continue
   timeout 100 .device/new/$b/test_cuda_fused_linear > /tmp/kt.log 2>&1
   echo "$b kernel checks rc $?: $(tail -1 /tmp/kt.log)"; grep -m3 FAIL /tmp/kt.log
 done
-for b in bin new/X3 new/X4; do
-  left 420 "(c) of $b" && continue
+for b in bin new/X3 new/X4 new/S; do
+  left 400 "(c) of $b" && continue
   timeout 60 .device/$b/bench_cuda_fused_linear --prefill-fresh-x 4096 4096 4096 8192 4096 11008 4096 14336 \
     > /tmp/c.log 2>&1
   echo "== $b: (c) fresh x rc $?"
@@ -46,9 +51,10 @@ echo "-- $(( $(date +%s) - t0 )) s"
 cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json \
   /tmp/l7b/base/
 for round in 1 2; do
-  for b in bin new/X3 new/X4; do
-    left 540 "TTFT of $b round $round" && continue
-    echo "== $b TTFT 128 round $round: $(timeout 40 .device/$b/bench_gpu_e2e /tmp/l7b --prompt 128 --decode 4 --batch 32 \
+  for bp in bin:128 new/X3:128 new/X4:128 new/S:128 bin:512 new/S:512; do
+    b=${bp%:*} p=${bp#*:}
+    left 550 "TTFT $p of $b round $round" && continue
+    echo "== $b TTFT $p round $round: $(timeout 40 .device/$b/bench_gpu_e2e /tmp/l7b --prompt $p --decode 4 --batch 32 \
       --requests 8 2>&1 | grep -A15 'TTFT of' | awk 'NR > 1 {print $1, $2}' | tr '\n' ' ')"
   done
 done
