@@ -1061,16 +1061,18 @@ void bench_shape(const RandomFill& rnd, bcuda::PrefillLinear& prefill, int N, in
   using FS = bcuda::FusedSplit;
   const int preps = profile_only ? 2 : wbytes > (200u << 20) ? 20 : 50;
   const double w_s_bytes = double(wbytes + sbytes);  // W and one variant's signs
-  // x copied into place before a call (untimed), so that the call finds it as a model's prompt does,
-  // just written by the kernel before, rather than as the call before left it (read, clean in L2):
-  // with fresh_x for every call of (c), else for the engine's choice and cuBLAS once more at the end.
-  DeviceMem x_src(x_rows * K * 2);
-  BITDELTA_CUDA_CHECK(cudaMemcpy(x_src.ptr, x.ptr, x_rows * K * 2, cudaMemcpyDeviceToDevice));
-  const std::function<void(int)> put_x = [&](int) {
-    BITDELTA_CUDA_CHECK(cudaMemcpyAsync(x.ptr, x_src.ptr, size_t(kPrefillRows) * K * 2, cudaMemcpyDeviceToDevice));
-  };
-  const std::function<void(int)> before = fresh_x ? put_x : std::function<void(int)>{};
   if (!few_rows_only) {
+    // x copied into place before a call (untimed), so that the call finds it as a model's prompt
+    // does, just written by the kernel before, rather than as the call before left it (read, clean
+    // in L2): with fresh_x for every call of (c), else for the engine's choice and cuBLAS once more
+    // at the end.
+    const size_t x_bytes = size_t(kPrefillRows) * K * 2;
+    DeviceMem x_src(x_bytes);
+    BITDELTA_CUDA_CHECK(cudaMemcpy(x_src.ptr, x.ptr, x_bytes, cudaMemcpyDeviceToDevice));
+    const std::function<void(int)> put_x = [&](int) {
+      BITDELTA_CUDA_CHECK(cudaMemcpyAsync(x.ptr, x_src.ptr, x_bytes, cudaMemcpyDeviceToDevice));
+    };
+    const std::function<void(int)> before = fresh_x ? put_x : std::function<void(int)>{};
     if (fresh_x) std::printf("%-12s (c) with x copied into place before each call (untimed)\n", shape.c_str());
     const double t_cublas = time_us([&](int s) { cublas_rows(kPrefillRows, s); }, preps, 3, before);
     const double flops = 2.0 * kPrefillRows * N * K;
