@@ -6,10 +6,13 @@
 #   R32 (runs/run423_signs_rows32.patch): the same bytes and shared-memory layout as HEAD, as 32-byte
 #     rows (dim 0 = a t' pair's 8 words): half the box rows;
 #   R512 (runs/run423_signs_rows512.patch): each row group's 512-byte block as one row (S's bytes and
-#     layout, 1/32 of S's rows).
-# Kernel checks of R32 and R512; case (c) with x just written at N = 4096, K = 4096, 8192, 11008, 14336
+#     layout, 1/32 of S's rows);
+#   SR (runs/run423_sign_ring.patch, on top of R512's map): the signs in a ring of their own (3 slots
+#     at 64-row tiles, 2 at 128), each slot a 256-column block (4 stages) copied once: a quarter of
+#     R512's bytes and rows, half of HEAD's bytes; a third producer thread.
+# Kernel checks of R32, R512 and SR; case (c) with x just written at N = 4096, K = 4096, 8192, 11008, 14336
 # and at 128 rows (o's, down's, qkv's, gate/up's shapes); the 7B TTFT at 128 and 512 tokens, two rounds.
-# .device/new.tar.xz: R32/, R512/ (bench_cuda_fused_linear, test_cuda_fused_linear, bench_gpu_e2e):
+# .device/new.tar.xz: R32/, R512/, SR/ (bench_cuda_fused_linear, test_cuda_fused_linear, bench_gpu_e2e):
 # git apply the patch, build those targets, strip them into /tmp/newbin/<name>, git checkout the file;
 # tar -C /tmp/newbin -cf - . | xz -T2 -9 > .device/new.tar.xz.
 #   run(command="bash bench/cuda/runs/run423.sh", carry=[".device/bundle.tar.xz", ".device/new.tar.xz"])
@@ -24,12 +27,12 @@ L=$OUT/run423.log
 left() { [ $(( $(date +%s) - t0 )) -gt $1 ] && { echo "left out: $2"; return 0; }; return 1; }
 {
 date -u; echo "$card"
-for b in R32 R512; do
+for b in SR R32 R512; do
   timeout 100 .device/new/$b/test_cuda_fused_linear > /tmp/kt.log 2>&1
   echo "$b kernel checks rc $?: $(tail -1 /tmp/kt.log)"; grep -m3 FAIL /tmp/kt.log
 done
-for b in bin new/R32 new/R512; do
-  left 330 "(c) of $b" && continue
+for b in bin new/SR new/R32 new/R512; do
+  left 300 "(c) of $b" && continue
   timeout 60 .device/$b/bench_cuda_fused_linear --prefill-fresh-x 4096 4096 4096 8192 4096 11008 4096 14336 \
     > /tmp/c.log 2>&1
   echo "== $b: (c) fresh x rc $?"
@@ -45,9 +48,9 @@ echo "-- $(( $(date +%s) - t0 )) s"
 cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json \
   /tmp/l7b/base/
 for round in 1 2; do
-  for bp in bin:128 new/R32:128 new/R512:128 bin:512 new/R32:512 new/R512:512; do
+  for bp in bin:512 new/SR:512 new/R512:512 bin:128 new/SR:128; do
     b=${bp%:*} p=${bp#*:}
-    left 520 "TTFT $p of $b round $round" && continue
+    left 480 "TTFT $p of $b round $round" && continue
     echo "== $b TTFT $p round $round: $(timeout 40 .device/$b/bench_gpu_e2e /tmp/l7b --prompt $p --decode 4 --batch 32 \
       --requests 8 2>&1 | grep -A15 'TTFT of' | awk 'NR > 1 {print $1, $2}' | tr '\n' ' ')"
   done
