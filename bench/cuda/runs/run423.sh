@@ -10,9 +10,10 @@
 #   SR (runs/run423_sign_ring.patch, on top of R512's map): the signs in a ring of their own (3 slots
 #     at 64-row tiles, 2 at 128), each slot a 256-column block (4 stages) copied once: a quarter of
 #     R512's bytes and rows, half of HEAD's bytes; a third producer thread.
-# Kernel checks of R32, R512 and SR; case (c) with x just written at N = 4096, K = 4096, 8192, 11008, 14336
+# Kernel checks of R32, R512 and SR, SR's GPU tests; case (c) with x just written at N = 4096, K = 4096, 8192, 11008, 14336
 # and at 128 rows (o's, down's, qkv's, gate/up's shapes); the 7B TTFT at 128 and 512 tokens, two rounds.
-# .device/new.tar.xz: R32/, R512/, SR/ (bench_cuda_fused_linear, test_cuda_fused_linear, bench_gpu_e2e):
+# .device/new.tar.xz: R32/, R512/, SR/ (bench_cuda_fused_linear, test_cuda_fused_linear, bench_gpu_e2e; SR also
+# bitdelta_gpu_tests):
 # git apply the patch, build those targets, strip them into /tmp/newbin/<name>, git checkout the file;
 # tar -C /tmp/newbin -cf - . | xz -T2 -9 > .device/new.tar.xz.
 #   run(command="bash bench/cuda/runs/run423.sh", carry=[".device/bundle.tar.xz", ".device/new.tar.xz"])
@@ -31,6 +32,7 @@ for b in SR; do
   timeout 100 .device/new/$b/test_cuda_fused_linear > /tmp/kt.log 2>&1
   echo "$b kernel checks rc $?: $(tail -1 /tmp/kt.log)"; grep -m3 FAIL /tmp/kt.log
 done
+timeout 60 .device/new/SR/bitdelta_gpu_tests > /tmp/gt.log 2>&1; echo "SR GPU tests rc $?: $(tail -2 /tmp/gt.log | tr '\n' ' ')"
 for b in bin new/SR new/R32 new/R512; do
   left 300 "(c) of $b" && continue
   timeout 60 .device/$b/bench_cuda_fused_linear --prefill-fresh-x 4096 4096 4096 8192 4096 11008 4096 14336 \
