@@ -24,6 +24,7 @@ export PATH=/usr/local/cuda/bin:$PATH
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 (cd .device && tar -xJf bundle.tar.xz && mkdir -p new && tar -xJf new.tar.xz -C new) || exit 1
 export LD_LIBRARY_PATH=$root/.device/lib:/usr/local/cuda/lib64 BITDELTA_SOURCE_DIR=$root
+export BITDELTA_CLI_PATH=$root/.device/bin/bitdelta
 L=$OUT/run423.log
 left() { [ $(( $(date +%s) - t0 )) -gt $1 ] && { echo "left out: $2"; return 0; }; return 1; }
 {
