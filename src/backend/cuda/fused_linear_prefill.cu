@@ -76,7 +76,11 @@ struct FusedTile {
   static constexpr int BM = 64 * C, BN = BN_;
   static constexpr int kWBytes = BM * kFusedBK * 2, kXBytes = BN * kFusedBK * 2;
   // Signs per stage: the TMA box [BM/16 row groups][8 g][2 t'][4 i] of 32-bit words (i: all four
-  // registers of a lane, of which a stage needs two: a box's innermost extent must be 16 bytes).
+  // registers of a lane, of which a stage needs two), copied as rows of 32 bytes (a t' pair's 8
+  // words, contiguous in packed_signs.h). As rows of 16 bytes (4 i innermost) the copies came late:
+  // the delta cost up to 46% over the base-only kernel where K is not a power of two (11008: 128 ×
+  // 128 tiles 108 µs against 78, run 423); as 32-byte rows 1–13% (78 against 77), and a 7B variant's
+  // 512-token TTFT 2–3% less (run 424). So a copy's cost here goes by its rows more than its bytes.
   static constexpr int kSignBytes = BM / 16 * 8 * 2 * 4 * 4;
   // Register sets of W fragments: stage s uses set s % kSets, and after it the wgmma of the last
   // kSets − 1 stages may still run (so many fit beside the accumulators: two for tiles of more
@@ -294,7 +298,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           mbar_expect_tx(full, T::kWBytes + (Delta ? T::kSignBytes : 0));
           tma_2d(smem_addr(w_tiles + slot * T::kWBytes), &maps.w, k0, n0, full);
           if (Delta)
-            tma_5d(smem_addr(s_tiles + slot * T::kSignBytes), &maps.signs, 0, 2 * (s & 1), 0, k0 >> 8,
+            tma_5d(smem_addr(s_tiles + slot * T::kSignBytes), &maps.signs, 0, s & 1, 0, k0 >> 8,
                    n0 / 16, full);
         }
       });
@@ -653,11 +657,12 @@ void launch_fused(const __nv_bfloat16* w, int N, int K, const __nv_bfloat16* x, 
   const float* alpha = nullptr;
   int per_row = 0;
   if (delta.signs) {
-    // The packed signs as words [row group][column block][g][t'][i] (packed_signs.h).
+    // The packed signs as words [row group][column block][g][t' pair][8 words] (packed_signs.h:
+    // [g][t'][i]), a box row of 32 bytes per g (FusedTile's kSignBytes says why).
     const int KB = sign_blocks(K);
-    const cuuint64_t sdims[5] = {4, 4, 8, cuuint64_t(KB), cuuint64_t((N + 15) / 16)};
-    const cuuint64_t sstrides[4] = {16, 64, 512, 512 * cuuint64_t(KB)};
-    const cuuint32_t sbox[5] = {4, 2, 8, 1, T::BM / 16};
+    const cuuint64_t sdims[5] = {8, 2, 8, cuuint64_t(KB), cuuint64_t((N + 15) / 16)};
+    const cuuint64_t sstrides[4] = {32, 64, 512, 512 * cuuint64_t(KB)};
+    const cuuint32_t sbox[5] = {8, 1, 8, 1, T::BM / 16};
     encode_tensor_map(&maps.signs, CU_TENSOR_MAP_DATA_TYPE_UINT32, 5, delta.signs, sdims, sstrides, sbox,
            CU_TENSOR_MAP_SWIZZLE_NONE);
     alpha = delta.alpha;
