@@ -78,7 +78,7 @@ struct FusedTile {
   // Signs per stage: the TMA box [BM/16 row groups][8 g][2 t'][4 i] of 32-bit words (i: all four
   // registers of a lane, of which a stage needs two), copied as rows of 32 bytes (a t' pair's 8
   // words, contiguous in packed_signs.h). As rows of 16 bytes (4 i innermost) the copies came late:
-  // the delta cost up to 46% over the base-only kernel where K is not a power of two (runs 420–421;
+  // the delta cost up to 42% over the base-only kernel where K is not a power of two (runs 420–421;
   // at 4096 × 11008 the 128 × 128 tile took 108 µs against 78, run 423); as 32-byte rows 1–13% (there
   // 78 against 77), and a 7B variant's 512-token TTFT 2–3% less (run 424). A copy's cost here goes by
   // its box's rows more than by its bytes.
