@@ -14,6 +14,7 @@
 set -uo pipefail
 root=$(pwd)
 t0=$(date +%s)
+B=${B:-500}  # seconds this run may take in all: the (c), ncu and TTFT loops stop at 60, 72 and 85% of it
 export PATH=/usr/local/cuda/bin:$PATH
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 (cd .device && tar -xJf bundle.tar.xz && mkdir -p new && tar -xJf new.tar.xz -C new) || exit 1
@@ -31,11 +32,11 @@ if ! grep -q H200 <<< "$card"; then  # on an H200, run392.sh's run361.sh main ru
   echo "bin kernel checks rc $?: $(tail -1 /tmp/kt.log)"; grep -m3 FAIL /tmp/kt.log
 fi
 } > $L 2>&1
-if grep -q H200 <<< "$card"; then timeout 330 bash bench/cuda/runs/run392.sh > /dev/null 2>&1; fi
+if grep -q H200 <<< "$card"; then timeout $(( B - 40 < 330 ? B - 40 : 330 )) bash bench/cuda/runs/run392.sh > /dev/null 2>&1; fi
 {
 for round in 1 2 3; do
   for b in bin new/Q; do
-    left 420 "(c) of $b round $round" && continue
+    left $((B * 60 / 100)) "(c) of $b round $round" && continue
     timeout 60 .device/$b/bench_cuda_fused_linear --prefill-fresh-x 4096 4096 4096 11008 12288 4096 > /tmp/c.log 2>&1
     echo "== $b round $round: (c) fresh x rc $?"; { echo "== $b round $round"; cat /tmp/c.log; } >> $OUT/c_all.log
     grep -E "cuBLAS GemmEx [0-9]|128x128 tile/block|64x256 persistent|stream-K|engine's choice" /tmp/c.log | grep "c: 512" |
@@ -48,7 +49,7 @@ echo "-- $(( $(date +%s) - t0 )) s"
 cp models/demo/base/tokenizer.model models/demo/base/tokenizer_config.json models/demo/base/generation_config.json \
   /tmp/l7b/base/
 for b in bin new/Q bin new/Q; do
-  left 480 "ncu of $b" && continue
+  left $((B * 72 / 100)) "ncu of $b" && continue
   echo "== $b, prompt, caches kept: $(timeout 60 ncu --clock-control none --cache-control none --profile-from-start off \
     --metrics gpu__time_duration.sum --csv --print-kernel-base demangled \
     .device/$b/bench_gpu_e2e /tmp/l7b --decode 4 --profile-case "batch 1, one variant" --profile-what prompt \
@@ -56,7 +57,7 @@ for b in bin new/Q bin new/Q; do
 done
 for round in 1 2 3; do
   for b in bin new/Q; do
-    left 540 "TTFT of $b round $round" && continue
+    left $((B * 85 / 100)) "TTFT of $b round $round" && continue
     echo "== $b TTFT 512 round $round: $(timeout 40 .device/$b/bench_gpu_e2e /tmp/l7b --prompt 512 --decode 4 --batch 32 \
       --requests 8 2>&1 | grep -A15 'TTFT of' | awk 'NR > 1 {print $1, $2}' | tr '\n' ' ')"
   done
