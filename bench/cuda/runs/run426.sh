@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 62: the H200 figures that a short budget allows (about 250 s), on the bundle of HEAD's engine
+# Session 62 (prepared, not run: no H200 came): the H200 figures that a short budget allows (about 100 s
+# by run 387's stage times: (a) 11 s, (b) 29 s), on the bundle of HEAD's engine
 # (a49942a's code; GPU tests and kernel checks passed on an H100 in run 425): (a) and (b) at the five
 # shapes first (the issue's two open H200 figures: 4096² 3.36 TB/s against 3.4 and 1.35x against
 # 1.25, both from run 376 before parts 54-59), then (c) with x just written, then the GPU tests. On any
