@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Session 61, prepared; run in session 62 as `B=540 bash bench/cuda/runs/run425.sh` (H100, run425.log).
-# The bundle (bin) was rebuilt from a49942a (the signs' box as 32-byte rows, part 61). (1) Its GPU tests and kernel checks (R32's kernel checks passed in
-# run 423, its GPU tests never ran). (2) On an H200, run392.sh (the issue's table). (3) Q
-# (runs/run425_q128.patch): the 128 x 128 tile where the engine picks 64 x 256 (N = 4096 at 512 rows:
-# the 7B's o and down; the same number of tiles), against bin: Q's GPU tests; case (c) with x just
-# written at 4096^2, 4096 x 11008 and 12288 x 4096 (unchanged, a control), three rounds alternated; ncu's
-# per-projection sums of a variant's 512-token 7B prompt (caches kept), two rounds; TTFT at 512 tokens,
+# The bundle (bin) was rebuilt from a49942a (the signs' box as 32-byte rows, part 61). (1) Its GPU tests and
+# kernel checks (R32's kernel checks passed in run 423, its GPU tests never ran). (2) On an H200, run392.sh
+# (the issue's table). (3) Q (runs/run425_q128.patch): the 128 x 128 tile where the engine picks 64 x 256 (N =
+# 4096 at 512 rows: the 7B's o and down; the same number of tiles), against bin: Q's GPU tests; case (c) with
+# x just written at 4096^2, 4096 x 11008 and 12288 x 4096 (unchanged, a control), three rounds alternated;
+# ncu's per-projection sums of a variant's 512-token 7B prompt (caches kept), two rounds; TTFT at 512 tokens,
 # three rounds.
 # .device/new.tar.xz: Q/ (bench_cuda_fused_linear, bench_gpu_e2e, bitdelta_gpu_tests): git apply the
 # patch, build those targets, strip them into /tmp/newbin/Q, git checkout the file;
